@@ -1,0 +1,148 @@
+"""Safe client configuration: the one place that knows what "safe" means.
+
+User settings are merged on top of safe defaults; a setting that would weaken a delivery guarantee
+is refused with a `ConfigError` naming the key and why, never silently rewritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from reliable_kafka.errors import ConfigError
+
+# librdkafka accepts several spellings of some keys; each alias maps to its canonical name.
+_ALIASES = {
+    "request.required.acks": "acks",
+    "max.in.flight": "max.in.flight.requests.per.connection",
+    "message.send.max.retries": "retries",
+    "delivery.timeout.ms": "message.timeout.ms",
+    "bootstrap.servers": "bootstrap.servers",
+    "metadata.broker.list": "bootstrap.servers",
+}
+
+UNLIMITED_RETRIES = 2_147_483_647
+
+PRODUCER_DEFAULTS: dict[str, Any] = {
+    # A message counts as delivered only once every in-sync replica has it (L1).
+    "acks": "all",
+    # Retries can neither duplicate nor reorder (L5); librdkafka then allows at most 5 in flight.
+    "enable.idempotence": True,
+    "max.in.flight.requests.per.connection": 5,
+    "retries": UNLIMITED_RETRIES,
+    # Long enough to ride out a leader election or a rolling restart; when it still expires the
+    # message stays in the outbox and is sent again, so this bounds latency, not durability.
+    "message.timeout.ms": 300_000,
+    "linger.ms": 5,
+    "batch.num.messages": 10_000,
+    "queue.buffering.max.messages": 500_000,
+    "queue.buffering.max.kbytes": 1_048_576,
+    "retry.backoff.ms": 100,
+    "retry.backoff.max.ms": 1_000,
+    "socket.keepalive.enable": True,
+}
+
+CONSUMER_DEFAULTS: dict[str, Any] = {
+    # Offsets are stored and committed by us, only for processed messages (L6).
+    "enable.auto.commit": False,
+    "enable.auto.offset.store": False,
+    # Never hand the application records of aborted or still-open transactions.
+    "isolation.level": "read_committed",
+    "auto.offset.reset": "earliest",
+    "enable.partition.eof": False,
+    "session.timeout.ms": 45_000,
+    "max.poll.interval.ms": 300_000,
+}
+
+
+def _canonical(config: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        out[_ALIASES.get(key, key)] = value
+    return out
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "1", "yes", "on")
+    return bool(value)
+
+
+def _as_int(key: str, value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(key, f"expected a whole number, got {value!r}") from None
+
+
+def _check_producer(cfg: Mapping[str, Any], *, transactional: bool) -> None:
+    acks = str(cfg["acks"]).strip().lower()
+    if acks not in ("all", "-1"):
+        raise ConfigError(
+            "acks",
+            f"{cfg['acks']!r} lets the leader acknowledge before the followers have the record, so a "
+            "leader failure loses acknowledged messages; reliable_kafka requires acks=all",
+        )
+    if not _truthy(cfg["enable.idempotence"]):
+        raise ConfigError(
+            "enable.idempotence",
+            "false lets retries write duplicates and reorder messages; reliable_kafka requires true",
+        )
+    inflight = _as_int("max.in.flight.requests.per.connection", cfg["max.in.flight.requests.per.connection"])
+    if not 1 <= inflight <= 5:
+        raise ConfigError(
+            "max.in.flight.requests.per.connection",
+            f"{inflight} is outside 1..5, where the idempotent producer can keep order across retries",
+        )
+    retries = _as_int("retries", cfg["retries"])
+    if retries < UNLIMITED_RETRIES:
+        raise ConfigError(
+            "retries",
+            f"{retries} caps retries, turning a short outage into failed sends; leave it unlimited and "
+            "bound delivery time with message.timeout.ms instead",
+        )
+    if "transactional.id" in cfg and not transactional:
+        raise ConfigError(
+            "transactional.id",
+            "a transactional producer needs begin/commit around every send; use TransactionalProcessor",
+        )
+    if "bootstrap.servers" not in cfg or not str(cfg["bootstrap.servers"]).strip():
+        raise ConfigError("bootstrap.servers", "is required: where are the brokers?")
+
+
+def producer_config(user: Mapping[str, Any] | None = None, *, transactional: bool = False) -> dict[str, Any]:
+    """Safe producer settings with the user's merged on top; unsafe user settings raise ConfigError."""
+    cfg = dict(PRODUCER_DEFAULTS)
+    cfg.update(_canonical(user or {}))
+    _check_producer(cfg, transactional=transactional)
+    return cfg
+
+
+def consumer_config(user: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Safe consumer settings with the user's merged on top; unsafe user settings raise ConfigError."""
+    cfg = dict(CONSUMER_DEFAULTS)
+    cfg.update(_canonical(user or {}))
+    if _truthy(cfg["enable.auto.commit"]):
+        raise ConfigError(
+            "enable.auto.commit",
+            "true commits offsets on a timer, before the handler finished, so a crash skips messages; "
+            "reliable_kafka commits processed offsets itself",
+        )
+    if _truthy(cfg["enable.auto.offset.store"]):
+        raise ConfigError(
+            "enable.auto.offset.store",
+            "true stores an offset when poll() returns the message, not when it was processed",
+        )
+    if str(cfg["isolation.level"]).lower() != "read_committed":
+        raise ConfigError(
+            "isolation.level",
+            "read_uncommitted hands out records of transactions that may still abort",
+        )
+    reset = str(cfg["auto.offset.reset"]).lower()
+    if reset not in ("earliest", "smallest", "beginning", "latest", "largest", "end", "error"):
+        raise ConfigError("auto.offset.reset", f"{reset!r} is not earliest, latest or error")
+    if not str(cfg.get("group.id", "")).strip():
+        raise ConfigError("group.id", "is required: committed offsets belong to a consumer group")
+    if "bootstrap.servers" not in cfg or not str(cfg["bootstrap.servers"]).strip():
+        raise ConfigError("bootstrap.servers", "is required: where are the brokers?")
+    return cfg

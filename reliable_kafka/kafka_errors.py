@@ -1,0 +1,107 @@
+"""The one place that classifies Kafka errors.
+
+Producer delivery reports, consumer commits and transactions all ask `classify()` what an error
+means, so "retry", "give up on this message", "rebuild the client" and "abort the transaction"
+are decided the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from confluent_kafka import KafkaError, KafkaException
+
+
+class Disposition(enum.Enum):
+    RETRIABLE = "retriable"  # try the same thing again (maybe after backoff)
+    PERMANENT = "permanent"  # this message/request will never succeed: keep it as failed, say why
+    FATAL = "fatal"  # the client instance is unusable: recreate it (producer) or stop (fenced txn)
+    ABORTABLE = "abortable"  # the current transaction must be aborted, then work can go on
+    REBALANCE = "rebalance"  # group membership moved on: drop staged offsets of revoked partitions
+    COORDINATOR = "coordinator"  # the group/txn coordinator moved or is loading: retry
+
+
+# Refused for good by the broker or by librdkafka before sending.
+_PERMANENT_CODES = {
+    KafkaError.MSG_SIZE_TOO_LARGE,
+    KafkaError.INVALID_RECORD,
+    KafkaError.INVALID_MSG,
+    KafkaError.RECORD_LIST_TOO_LARGE,
+    KafkaError.INVALID_REQUIRED_ACKS,
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    KafkaError.TOPIC_EXCEPTION,
+    KafkaError.INVALID_TIMESTAMP,
+    KafkaError.UNSUPPORTED_FOR_MESSAGE_FORMAT,
+    KafkaError._UNKNOWN_TOPIC,
+    KafkaError._UNKNOWN_PARTITION,
+    KafkaError._INVALID_ARG,
+    KafkaError.POLICY_VIOLATION,
+}
+
+# The idempotent/transactional producer state is gone: only a fresh producer can go on.
+_FATAL_CODES = {
+    KafkaError.OUT_OF_ORDER_SEQUENCE_NUMBER,
+    KafkaError.UNKNOWN_PRODUCER_ID,
+    KafkaError.INVALID_PRODUCER_EPOCH,
+    KafkaError._FENCED,
+    KafkaError.PRODUCER_FENCED,
+    KafkaError.INVALID_PRODUCER_ID_MAPPING,
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
+    KafkaError._FATAL,
+}
+
+_REBALANCE_CODES = {
+    KafkaError.REBALANCE_IN_PROGRESS,
+    KafkaError.ILLEGAL_GENERATION,
+    KafkaError.UNKNOWN_MEMBER_ID,
+    KafkaError.FENCED_INSTANCE_ID,
+    KafkaError.STALE_MEMBER_EPOCH,
+    KafkaError._ASSIGNMENT_LOST,
+}
+
+_COORDINATOR_CODES = {
+    KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError._WAIT_COORD,
+    KafkaError.CONCURRENT_TRANSACTIONS,
+}
+
+
+def _code_of(error: KafkaError | KafkaException | int) -> int:
+    if isinstance(error, KafkaException):
+        error = error.args[0]
+    if isinstance(error, KafkaError):
+        return int(error.code())
+    return int(error)
+
+
+def classify(error: KafkaError | KafkaException | int) -> Disposition:
+    """What an error means for the operation that got it."""
+    err = error.args[0] if isinstance(error, KafkaException) else error
+    if isinstance(err, KafkaError):
+        if err.fatal():
+            return Disposition.FATAL
+        if err.txn_requires_abort():
+            return Disposition.ABORTABLE
+    code = _code_of(error)
+    if code in _FATAL_CODES:
+        return Disposition.FATAL
+    if code in _REBALANCE_CODES:
+        return Disposition.REBALANCE
+    if code in _COORDINATOR_CODES:
+        return Disposition.COORDINATOR
+    if code in _PERMANENT_CODES:
+        return Disposition.PERMANENT
+    # Everything else (timeouts, leader moves, transport, _MSG_TIMED_OUT with an unknown outcome,
+    # NOT_ENOUGH_REPLICAS) is worth another try: a spooled message is re-sent, never dropped.
+    return Disposition.RETRIABLE
+
+
+def describe(error: KafkaError | KafkaException | int) -> str:
+    """A readable reason, as the broker or librdkafka gave it."""
+    err = error.args[0] if isinstance(error, KafkaException) else error
+    if isinstance(err, KafkaError):
+        return f"{err.name()}: {err.str()}"
+    return KafkaError(int(err)).name() if isinstance(err, int) else str(err)

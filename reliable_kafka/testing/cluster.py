@@ -1,0 +1,652 @@
+"""LocalKafkaCluster: a real Apache Kafka cluster (KRaft, one JVM per node) on loopback for tests and labs.
+
+It can kill, pause, resume and restart single nodes; it signals only the pids it started itself,
+and stop() resumes paused nodes before it ends every process, also when a test failed.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+
+from reliable_kafka.errors import ClusterError
+from reliable_kafka.testing.jars import LOG4J_CONFIG, java_executable, kafka_libs
+
+log = logging.getLogger(__name__)
+
+# Tuned for fault tests on one small host: fast failure detection and failover, few internal partitions.
+_FAST_FAULT_SETTINGS: dict[str, Any] = {
+    "broker.heartbeat.interval.ms": 500,
+    "broker.session.timeout.ms": 3000,
+    "replica.lag.time.max.ms": 5000,
+    "controller.quorum.election.timeout.ms": 1000,
+    "controller.quorum.fetch.timeout.ms": 2000,
+    "group.initial.rebalance.delay.ms": 0,
+    "offsets.topic.num.partitions": 6,
+    "transaction.state.log.num.partitions": 6,
+    "num.partitions": 1,
+    "auto.create.topics.enable": False,
+    "unclean.leader.election.enable": False,
+    "num.network.threads": 2,
+    "num.io.threads": 4,
+    "background.threads": 4,
+    "log.cleaner.threads": 1,
+    "group.consumer.heartbeat.interval.ms": 1000,
+    "group.consumer.min.heartbeat.interval.ms": 500,
+    "transaction.abort.timed.out.transaction.cleanup.interval.ms": 5000,
+}
+
+_PR_SET_PDEATHSIG = 1
+
+# librdkafka's connection chatter (refused connects while nodes are down) goes to logging, not stderr.
+_RDKAFKA_LOG = logging.getLogger("reliable_kafka.testing.rdkafka")
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: the JVM gets SIGKILL if the process that started it dies.
+
+    Without it a crashed test run leaves JVMs behind that hold ports and memory.
+    """
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cluster_id() -> str:
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+
+
+def _prop(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+@dataclass
+class KafkaNode:
+    """One combined broker+controller process."""
+
+    node_id: int
+    broker_port: int
+    controller_port: int
+    directory: Path
+    proc: subprocess.Popen[bytes] | None = None
+    pid: int | None = None  # kept separately so a cluster re-attached from a state file can signal it
+    paused: bool = False
+    starts: int = 0
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / "server.log"
+
+    @property
+    def config_path(self) -> Path:
+        return self.directory / "server.properties"
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        if self.pid is None:
+            return False
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        # A re-attached pid could have been reused by an unrelated process: check it is our JVM.
+        try:
+            cmdline = Path(f"/proc/{self.pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        return str(self.config_path).encode() in cmdline
+
+
+@dataclass
+class PartitionState:
+    leader: int
+    replicas: list[int]
+    isr: list[int]
+
+
+@dataclass
+class LocalKafkaCluster:
+    """A real Kafka cluster of `brokers` combined KRaft nodes on 127.0.0.1.
+
+    Use it as a context manager (or start()/stop()). Node ids start at 1. Broker settings can be
+    overridden with `broker_config`, e.g. {"offsets.topic.replication.factor": 1} to reproduce the
+    single-replica internal topic trap.
+    """
+
+    brokers: int = 3
+    broker_config: Mapping[str, Any] = field(default_factory=dict)
+    heap_mb: int = 384
+    data_dir: str | os.PathLike[str] | None = None
+    die_with_parent: bool = True
+    cluster_id: str = field(default_factory=_cluster_id)
+    nodes: dict[int, KafkaNode] = field(default_factory=dict, init=False)
+    _owns_data_dir: bool = field(default=False, init=False)
+    _started: bool = field(default=False, init=False)
+    _admin_cache: tuple[tuple[int, ...], AdminClient] | None = field(default=None, init=False, repr=False)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def __enter__(self) -> LocalKafkaCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 90.0) -> LocalKafkaCluster:
+        """Format storage and start every node; returns once all brokers are registered."""
+        if self.brokers < 1:
+            raise ClusterError(f"brokers must be at least 1, got {self.brokers}")
+        libs = kafka_libs()
+        if self.data_dir is None:
+            self.data_dir = tempfile.mkdtemp(prefix="rk-kafka-")
+            self._owns_data_dir = True
+        root = Path(self.data_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        for node_id in range(1, self.brokers + 1):
+            directory = root / f"node-{node_id}"
+            directory.mkdir(parents=True, exist_ok=True)
+            self.nodes[node_id] = KafkaNode(node_id, free_port(), free_port(), directory)
+        for node in self.nodes.values():
+            node.config_path.write_text(self._server_properties(node))
+        self._format_storage(libs)
+        self._started = True
+        try:
+            for node in self.nodes.values():
+                self._launch(node, libs)
+            self.wait_brokers(timeout=timeout)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("Kafka cluster up: %s", self.bootstrap_servers)
+        return self
+
+    def stop(self, *, graceful: bool = False, timeout: float = 15.0) -> None:
+        """Stop every node: paused ones are resumed first so they can die. Removes a temporary data dir."""
+        for node in self.nodes.values():
+            if node.paused:
+                self.resume(node.node_id)
+        if graceful:
+            for node in self.nodes.values():
+                self._signal(node, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for node in self.nodes.values():
+                self._wait_exit(node, max(0.1, deadline - time.monotonic()))
+        for node in self.nodes.values():
+            if node.alive():
+                self._signal(node, signal.SIGKILL)
+                self._wait_exit(node, 10.0)
+        self._started = False
+        self._admin_cache = None
+        if self._owns_data_dir and self.data_dir is not None:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return ",".join(f"127.0.0.1:{n.broker_port}" for n in self.nodes.values())
+
+    def bootstrap_of(self, *node_ids: int) -> str:
+        return ",".join(f"127.0.0.1:{self.nodes[i].broker_port}" for i in node_ids)
+
+    @property
+    def node_ids(self) -> list[int]:
+        return sorted(self.nodes)
+
+    def running_nodes(self) -> list[int]:
+        """Nodes whose process lives and is not paused."""
+        return [i for i, n in sorted(self.nodes.items()) if n.alive() and not n.paused]
+
+    # ---- faults ----------------------------------------------------------------------------
+
+    def kill(self, node_id: int) -> None:
+        """SIGKILL the node: no controlled shutdown, unflushed page cache stays (the OS keeps it)."""
+        node = self._node(node_id)
+        if node.paused:
+            self.resume(node_id)
+        self._signal(node, signal.SIGKILL)
+        self._wait_exit(node, 10.0)
+
+    def stop_node(self, node_id: int, timeout: float = 30.0) -> None:
+        """SIGTERM the node and wait for its controlled shutdown (SIGKILL after `timeout`)."""
+        node = self._node(node_id)
+        if node.paused:
+            self.resume(node_id)
+        self._signal(node, signal.SIGTERM)
+        if not self._wait_exit(node, timeout):
+            self._signal(node, signal.SIGKILL)
+            self._wait_exit(node, 10.0)
+
+    def pause(self, node_id: int) -> None:
+        """SIGSTOP the node: it keeps its sockets but answers nothing (a GC pause or a hung host)."""
+        node = self._node(node_id)
+        if not node.alive():
+            raise ClusterError(f"node {node_id} is not running; cannot pause it")
+        self._signal(node, signal.SIGSTOP)
+        node.paused = True
+
+    def resume(self, node_id: int) -> None:
+        """SIGCONT a paused node."""
+        node = self._node(node_id)
+        if node.alive():
+            self._signal(node, signal.SIGCONT)
+        node.paused = False
+
+    def start_node(self, node_id: int, *, wait: bool = True, timeout: float = 60.0) -> None:
+        """Start a node that was killed or stopped, on its old ports and data."""
+        node = self._node(node_id)
+        if node.alive():
+            return
+        self._launch(node, kafka_libs())
+        if wait:
+            self.wait_brokers(timeout=timeout)
+
+    def restart(self, node_id: int, *, hard: bool = True, wait: bool = True, timeout: float = 60.0) -> None:
+        """Kill (hard) or stop (graceful) the node, then start it again."""
+        if hard:
+            self.kill(node_id)
+        else:
+            self.stop_node(node_id)
+        self.start_node(node_id, wait=wait, timeout=timeout)
+
+    def heal(self, timeout: float = 90.0) -> None:
+        """Resume paused nodes, start dead ones and wait until nothing is under-replicated."""
+        for node_id, node in self.nodes.items():
+            if node.paused:
+                self.resume(node_id)
+            if not node.alive():
+                self.start_node(node_id, wait=False)
+        self.wait_healthy(timeout=timeout)
+
+    # ---- inspection ------------------------------------------------------------------------
+
+    def admin(self, **config: Any) -> AdminClient:
+        """An AdminClient bootstrapped only from nodes that run and are not paused.
+
+        A paused broker still accepts TCP connections (the kernel does) but never answers, so it
+        must not be the bootstrap a test depends on.
+        """
+        running = tuple(self.running_nodes())
+        if not running:
+            raise ClusterError("no running node to talk to")
+        if config:
+            return AdminClient({**self._admin_conf(running), **config})
+        # Inspection runs in tight wait loops: one client per set of running nodes, not one per call.
+        if self._admin_cache is None or self._admin_cache[0] != running:
+            self._admin_cache = (running, AdminClient(self._admin_conf(running)))
+        return self._admin_cache[1]
+
+    def _admin_conf(self, running: tuple[int, ...]) -> dict[str, Any]:
+        return {
+            "bootstrap.servers": self.bootstrap_of(*running),
+            "socket.timeout.ms": 5000,
+            "logger": _RDKAFKA_LOG,
+        }
+
+    def partition_state(self, topic: str, partition: int = 0, timeout: float = 10.0) -> PartitionState | None:
+        """Leader, replicas and ISR of a partition as the cluster's metadata says now (None if unknown)."""
+        md = self._retry(lambda: self.admin().list_topics(topic, timeout=5), timeout)
+        t = md.topics.get(topic)
+        if t is None or t.error is not None or partition not in t.partitions:
+            return None
+        p = t.partitions[partition]
+        return PartitionState(leader=p.leader, replicas=list(p.replicas), isr=list(p.isrs))
+
+    def leader_of(self, topic: str, partition: int = 0) -> int | None:
+        """The node id that leads the partition, or None while it has no leader."""
+        state = self.partition_state(topic, partition)
+        return state.leader if state is not None and state.leader >= 0 else None
+
+    def isr_of(self, topic: str, partition: int = 0) -> list[int]:
+        state = self.partition_state(topic, partition)
+        return sorted(state.isr) if state is not None else []
+
+    def registered_brokers(self, timeout: float = 10.0) -> list[int]:
+        md = self._retry(lambda: self.admin().list_topics(timeout=5), timeout)
+        return sorted(md.brokers)
+
+    def wait_brokers(self, timeout: float = 60.0) -> None:
+        """Until every running node is registered as a broker."""
+        self._wait(lambda: set(self.running_nodes()) <= set(self.registered_brokers()), timeout, "brokers to register")
+
+    def under_replicated(self) -> list[tuple[str, int]]:
+        """Partitions (internal ones included) whose ISR is smaller than their replica set, or leaderless."""
+        md = self.admin().list_topics(timeout=5)
+        bad = []
+        for name, t in md.topics.items():
+            for pid, p in t.partitions.items():
+                if p.leader < 0 or set(p.isrs) != set(p.replicas):
+                    bad.append((name, pid))
+        return bad
+
+    def wait_healthy(self, timeout: float = 90.0) -> None:
+        """Until all nodes are up, registered, and no partition is under-replicated or leaderless."""
+
+        def healthy() -> bool:
+            if set(self.running_nodes()) != set(self.nodes):
+                return False
+            if set(self.registered_brokers()) != set(self.nodes):
+                return False
+            return not self.under_replicated()
+
+        self._wait(healthy, timeout, "the cluster to be healthy")
+
+    def wait_for_leader(
+        self, topic: str, partition: int = 0, *, not_on: int | None = None, timeout: float = 60.0
+    ) -> int:
+        """Until the partition has a leader (other than `not_on`); returns it."""
+        found: list[int] = []
+
+        def elected() -> bool:
+            leader = self.leader_of(topic, partition)
+            if leader is None or leader == not_on:
+                return False
+            found.append(leader)
+            return True
+
+        self._wait(elected, timeout, f"a leader for {topic}[{partition}]")
+        return found[-1]
+
+    def wait_isr(self, topic: str, partition: int, expected: set[int], timeout: float = 60.0) -> None:
+        self._wait(lambda: set(self.isr_of(topic, partition)) == expected, timeout, f"ISR {sorted(expected)}")
+
+    def create_topic(
+        self,
+        name: str,
+        partitions: int = 1,
+        replication_factor: int | None = None,
+        configs: Mapping[str, Any] | None = None,
+        *,
+        timeout: float = 30.0,
+    ) -> None:
+        """Create a topic and wait until every partition has a leader and a full ISR."""
+        rf = replication_factor if replication_factor is not None else min(3, self.brokers)
+        new = NewTopic(
+            name,
+            num_partitions=partitions,
+            replication_factor=rf,
+            config={k: _prop(v) for k, v in (configs or {}).items()},
+        )
+        admin = self.admin()  # keep a reference: futures fail with _DESTROY if the client is collected
+        futures = admin.create_topics([new], operation_timeout=timeout)
+        try:
+            futures[name].result(timeout=timeout)
+        except KafkaException as exc:
+            raise ClusterError(f"could not create topic {name!r}: {exc}") from exc
+
+        def ready() -> bool:
+            md = self.admin().list_topics(name, timeout=5)
+            t = md.topics.get(name)
+            if t is None or t.error is not None or len(t.partitions) != partitions:
+                return False
+            return all(p.leader >= 0 and len(p.isrs) == rf for p in t.partitions.values())
+
+        self._wait(ready, timeout, f"topic {name} to be ready")
+
+    def delete_topic(self, name: str, timeout: float = 30.0) -> None:
+        admin = self.admin()
+        admin.delete_topics([name], operation_timeout=timeout)[name].result(timeout=timeout)
+
+    def topic_config(self, name: str) -> dict[str, str]:
+        """The effective configuration of a topic (broker defaults included)."""
+        res = ConfigResource(ConfigResource.Type.TOPIC, name)
+        admin = self.admin()
+        entries = admin.describe_configs([res])[res].result(timeout=10)
+        return {k: v.value for k, v in entries.items()}
+
+    def logs(self, node_id: int, tail: int = 200) -> str:
+        """The last lines of a node's server log (kept for the whole life of the cluster)."""
+        path = self._node(node_id).log_path
+        if not path.exists():
+            return ""
+        lines = path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-tail:])
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-friendly picture of the cluster: used by `reliable-kafka cluster status` and state files."""
+        return {
+            "cluster_id": self.cluster_id,
+            "bootstrap_servers": self.bootstrap_servers,
+            "data_dir": str(self.data_dir),
+            "nodes": [
+                {
+                    "node_id": n.node_id,
+                    "broker_port": n.broker_port,
+                    "controller_port": n.controller_port,
+                    "pid": n.proc.pid if n.proc is not None else n.pid,
+                    "alive": n.alive(),
+                    "paused": n.paused,
+                    "directory": str(n.directory),
+                }
+                for n in self.nodes.values()
+            ],
+        }
+
+    def save_state(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(json.dumps(self.describe(), indent=2))
+
+    @classmethod
+    def attach(cls, path: str | os.PathLike[str]) -> LocalKafkaCluster:
+        """Re-open a cluster started by another process from its state file (for `cluster stop|status`)."""
+        state = json.loads(Path(path).read_text())
+        cluster = cls(brokers=len(state["nodes"]), data_dir=state["data_dir"], cluster_id=state["cluster_id"])
+        for n in state["nodes"]:
+            cluster.nodes[n["node_id"]] = KafkaNode(
+                n["node_id"], n["broker_port"], n["controller_port"], Path(n["directory"]), pid=n["pid"],
+                paused=n["paused"],
+            )
+        cluster._started = True
+        return cluster
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _node(self, node_id: int) -> KafkaNode:
+        try:
+            return self.nodes[node_id]
+        except KeyError:
+            raise ClusterError(f"no node {node_id}; nodes are {self.node_ids}") from None
+
+    def _server_properties(self, node: KafkaNode) -> str:
+        internal_rf = min(3, self.brokers)
+        settings: dict[str, Any] = {
+            "process.roles": "broker,controller",
+            "node.id": node.node_id,
+            "controller.quorum.voters": ",".join(
+                f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes.values()
+            ),
+            "listeners": f"PLAINTEXT://127.0.0.1:{node.broker_port},CONTROLLER://127.0.0.1:{node.controller_port}",
+            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.broker_port}",
+            "controller.listener.names": "CONTROLLER",
+            "inter.broker.listener.name": "PLAINTEXT",
+            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "log.dirs": str(node.directory / "data"),
+            "default.replication.factor": internal_rf,
+            "min.insync.replicas": min(2, internal_rf),
+            "offsets.topic.replication.factor": internal_rf,
+            "transaction.state.log.replication.factor": internal_rf,
+            "transaction.state.log.min.isr": min(2, internal_rf),
+            "share.coordinator.state.topic.replication.factor": internal_rf,
+            "share.coordinator.state.topic.min.isr": min(2, internal_rf),
+            **_FAST_FAULT_SETTINGS,
+            **dict(self.broker_config),
+        }
+        return "".join(f"{k}={_prop(v)}\n" for k, v in settings.items())
+
+    def _java_cmd(self, libs: Path, main: str, *args: str, heap_mb: int) -> list[str]:
+        return [
+            java_executable(),
+            f"-Xms{min(256, heap_mb)}m",
+            f"-Xmx{heap_mb}m",
+            "-XX:+UseG1GC",
+            "-XX:MaxGCPauseMillis=20",
+            "-XX:+ExitOnOutOfMemoryError",
+            "-Djava.awt.headless=true",
+            f"-Dlog4j2.configurationFile={LOG4J_CONFIG}",
+            "-cp",
+            f"{libs}/*",
+            main,
+            *args,
+        ]
+
+    def _format_storage(self, libs: Path) -> None:
+        # Format all nodes at once: each is a short JVM run, and they are independent.
+        procs = []
+        for node in self.nodes.values():
+            cmd = self._java_cmd(
+                libs, "kafka.tools.StorageTool", "format", "-t", self.cluster_id, "-c", str(node.config_path),
+                "--ignore-formatted", heap_mb=256,
+            )
+            procs.append((node, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))
+        for node, proc in procs:
+            out, _ = proc.communicate(timeout=120)
+            if proc.returncode != 0:
+                raise ClusterError(f"formatting storage of node {node.node_id} failed: {out.decode(errors='replace')}")
+
+    def _launch(self, node: KafkaNode, libs: Path) -> None:
+        cmd = self._java_cmd(libs, "kafka.Kafka", str(node.config_path), heap_mb=self.heap_mb)
+        logfile = open(node.log_path, "ab")  # noqa: SIM115 - handed to the child; closed right after spawn
+        try:
+            node.proc = subprocess.Popen(
+                cmd,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=node.directory,
+                preexec_fn=_die_with_parent if self.die_with_parent else None,  # noqa: PLW1509
+                start_new_session=not self.die_with_parent,
+            )
+        finally:
+            logfile.close()
+        node.pid = node.proc.pid
+        node.paused = False
+        node.starts += 1
+
+    def _signal(self, node: KafkaNode, sig: int) -> None:
+        # Only the pid we started (or re-attached after checking its command line) is ever signalled.
+        if not node.alive():
+            return
+        pid = node.proc.pid if node.proc is not None else node.pid
+        assert pid is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+    def _wait_exit(self, node: KafkaNode, timeout: float) -> bool:
+        if node.proc is not None:
+            try:
+                node.proc.wait(timeout=timeout)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not node.alive():
+                return True
+            time.sleep(0.1)
+        return not node.alive()
+
+    def _retry(self, fn: Callable[[], Any], timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                return fn()
+            except (KafkaException, ClusterError) as exc:
+                last = exc
+                time.sleep(0.2)
+        raise ClusterError(f"the cluster did not answer within {timeout:.0f}s: {last}")
+
+    def _wait(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            dead = [n.node_id for n in self.nodes.values() if n.proc is not None and n.proc.poll() is not None
+                    and n.proc.returncode not in (-signal.SIGKILL, -signal.SIGTERM, 0)]
+            if dead:
+                raise ClusterError(
+                    f"node(s) {dead} exited while waiting for {what}; last log lines:\n"
+                    + "\n".join(self.logs(i, 40) for i in dead)
+                )
+            try:
+                if condition():
+                    return
+            except (KafkaException, ClusterError) as exc:
+                last_error = exc
+            time.sleep(0.25)
+        raise ClusterError(
+            f"timed out after {timeout:.0f}s waiting for {what}"
+            + (f" (last error: {last_error})" if last_error else "")
+        )
+
+
+def consume_all(
+    bootstrap_servers: str,
+    topic: str,
+    *,
+    isolation_level: str = "read_committed",
+    timeout: float = 60.0,
+) -> Iterator[Any]:
+    """Every record of a topic, read by an independent consumer with no group (assign + end offsets).
+
+    Reads until each partition's position reaches the high watermark (or the last stable offset
+    under read_committed) seen at the start, so transaction markers and gaps cannot stall it.
+    """
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap_servers,
+            "group.id": f"rk-reader-{uuid.uuid4()}",
+            "enable.auto.commit": False,
+            "isolation.level": isolation_level,
+            "auto.offset.reset": "earliest",
+            "enable.partition.eof": False,
+        }
+    )
+    try:
+        md = consumer.list_topics(topic, timeout=10)
+        parts = sorted(md.topics[topic].partitions)
+        ends: dict[int, int] = {}
+        for p in parts:
+            _low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)
+            ends[p] = high
+        consumer.assign([TopicPartition(topic, p, 0) for p in parts])
+        deadline = time.monotonic() + timeout
+        pending = {p for p in parts if ends[p] > 0}
+        while pending and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                yield msg
+            # Position, not the last message, tells when a partition is done: markers occupy offsets.
+            for tp in consumer.position([TopicPartition(topic, p) for p in list(pending)]):
+                if tp.offset >= ends[tp.partition]:
+                    pending.discard(tp.partition)
+        if pending:
+            raise ClusterError(f"reading {topic} timed out; partitions {sorted(pending)} did not reach their end")
+    finally:
+        consumer.close()

@@ -1,0 +1,64 @@
+"""Fault recipes on a LocalKafkaCluster that the tests and the loss lab share.
+
+Each recipe is bounded in time, signals only the cluster's own nodes, and leaves the cluster
+healthy when it returns (also when the code inside it raised).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from reliable_kafka.testing.cluster import LocalKafkaCluster
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IsolatedLeader:
+    leader: int
+    followers: list[int]
+    new_leader: int | None = None
+
+
+@contextlib.contextmanager
+def isolated_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 0) -> Iterator[IsolatedLeader]:
+    """The deterministic acks=1 loss recipe (seed 000): a leader that acknowledges alone, then dies.
+
+    On entry both followers of the partition are paused (SIGSTOP), so only the leader gets what is
+    produced inside the block. With two of three controllers paused, the controller quorum cannot
+    shrink the ISR either, so the followers stay eligible. On exit the leader is SIGKILLed, the
+    followers resume and one of them (which never got the records) is elected; the old leader
+    restarts and truncates to the new leader's log. Records that only the old leader had are gone:
+    exactly what acks=1 acknowledged and acks=all never did.
+    """
+    state = cluster.partition_state(topic, partition)
+    if state is None or state.leader < 0:
+        raise RuntimeError(f"{topic}[{partition}] has no leader")
+    followers = [r for r in state.replicas if r != state.leader]
+    iso = IsolatedLeader(leader=state.leader, followers=followers)
+    for f in followers:
+        cluster.pause(f)
+    try:
+        yield iso
+    finally:
+        cluster.kill(iso.leader)
+        for f in followers:
+            cluster.resume(f)
+        iso.new_leader = cluster.wait_for_leader(topic, partition, not_on=iso.leader, timeout=60)
+        log.info("%s[%d]: leader %d killed, %d elected", topic, partition, iso.leader, iso.new_leader)
+        cluster.start_node(iso.leader)
+        cluster.wait_healthy()
+
+
+def hard_bounce_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 0) -> tuple[int, int]:
+    """SIGKILL the partition's leader, wait for a new one, restart the old; returns (old, new)."""
+    old = cluster.leader_of(topic, partition)
+    if old is None:
+        raise RuntimeError(f"{topic}[{partition}] has no leader")
+    cluster.kill(old)
+    new = cluster.wait_for_leader(topic, partition, not_on=old, timeout=60)
+    cluster.start_node(old)
+    return old, new

@@ -1,0 +1,4 @@
+pytest_plugins = [
+    "tests.fixtures.kafka",
+    "tests.fixtures.redis",
+]
