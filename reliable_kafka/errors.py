@@ -105,7 +105,8 @@ class RetriesExhausted(ReliableKafkaError):
         self.last_error = last_error
         self.attempts = attempts
         super().__init__(
-            f"gave up after {attempts} attempt(s); last error {type(last_error).__name__}: {last_error}"
+            # repr, not str: a handler's exception with a broken __str__ must still become poison.
+            f"gave up after {attempts} attempt(s); last error {last_error!r}"
         )
 
 
@@ -121,5 +122,5 @@ class RetryInterrupted(ReliableKafkaError):
         self.attempts = attempts
         super().__init__(
             f"stopped while waiting to retry after {attempts} attempt(s); the work is unfinished "
-            f"(last error {type(last_error).__name__}: {last_error})"
+            f"(last error {last_error!r})"
         )

@@ -7,6 +7,7 @@ after a crash carries the same id as its original and downstream dedup can recog
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 
@@ -24,6 +25,18 @@ DLQ_ATTEMPTS = "rk-dlq-attempts"
 _lock = threading.Lock()
 _last_ms = 0
 _counter = 0
+_rng = random.Random()
+
+
+def _reseed_after_fork() -> None:
+    # A forked child (Spark workers, multiprocessing) inherits the PRNG state: without a reseed two
+    # processes would mint identical ids in the same millisecond, and dedup would drop real messages.
+    global _last_ms, _counter
+    _rng.seed()
+    _last_ms, _counter = 0, 0
+
+
+os.register_at_fork(after_in_child=_reseed_after_fork)
 
 
 def new_id() -> str:
@@ -32,23 +45,27 @@ def new_id() -> str:
     The counter keeps ids from one process strictly increasing even within a millisecond, so the
     outbox order and the id order agree.
     """
+    return new_ids(1)[0]
+
+
+def new_ids(n: int) -> list[str]:
+    """`n` ids in increasing order at the cost of one clock read (send_many's hot path)."""
     global _last_ms, _counter
+    out = []
     with _lock:
         ms = time.time_ns() // 1_000_000
-        if ms <= _last_ms:
+        if ms > _last_ms:
+            _last_ms, _counter = ms, -1
+        for _ in range(n):
             _counter += 1
             if _counter > 0xFFF:  # counter overflow: borrow the next millisecond
                 _last_ms += 1
                 _counter = 0
-            ms = _last_ms
-        else:
-            _last_ms = ms
-            _counter = 0
-        counter = _counter
-    rand = int.from_bytes(os.urandom(8), "big") & 0x3FFF_FFFF_FFFF_FFFF
-    value = (ms << 80) | (0x7 << 76) | (counter << 64) | (0b10 << 62) | rand
-    h = f"{value:032x}"
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+            # Uniqueness, not secrecy, is needed: the PRNG is several times cheaper than os.urandom.
+            value = (_last_ms << 80) | (0x7 << 76) | (_counter << 64) | (0b10 << 62) | _rng.getrandbits(62)
+            h = "%032x" % value
+            out.append(f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+    return out
 
 
 def id_timestamp_ms(message_id: str) -> int:

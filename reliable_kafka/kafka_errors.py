@@ -69,23 +69,26 @@ _COORDINATOR_CODES = {
 }
 
 
-def _code_of(error: KafkaError | KafkaException | int) -> int:
+def _unwrap(error: KafkaError | KafkaException | int) -> KafkaError | int | None:
     if isinstance(error, KafkaException):
-        error = error.args[0]
-    if isinstance(error, KafkaError):
-        return int(error.code())
-    return int(error)
+        inner = error.args[0] if error.args else None
+        return inner if isinstance(inner, (KafkaError, int)) else None
+    return error
 
 
 def classify(error: KafkaError | KafkaException | int) -> Disposition:
     """What an error means for the operation that got it."""
-    err = error.args[0] if isinstance(error, KafkaException) else error
+    err = _unwrap(error)
+    if err is None:
+        return Disposition.RETRIABLE  # a KafkaException without a code: nothing says it is final
     if isinstance(err, KafkaError):
         if err.fatal():
             return Disposition.FATAL
         if err.txn_requires_abort():
             return Disposition.ABORTABLE
-    code = _code_of(error)
+        code = int(err.code())
+    else:
+        code = int(err)
     if code in _FATAL_CODES:
         return Disposition.FATAL
     if code in _REBALANCE_CODES:
@@ -99,9 +102,19 @@ def classify(error: KafkaError | KafkaException | int) -> Disposition:
     return Disposition.RETRIABLE
 
 
+def code_of(error: KafkaError | KafkaException | int) -> int | None:
+    """The numeric Kafka error code, or None for an exception that carries none."""
+    err = _unwrap(error)
+    if isinstance(err, KafkaError):
+        return int(err.code())
+    return err
+
+
 def describe(error: KafkaError | KafkaException | int) -> str:
     """A readable reason, as the broker or librdkafka gave it."""
-    err = error.args[0] if isinstance(error, KafkaException) else error
+    err = _unwrap(error)
     if isinstance(err, KafkaError):
         return f"{err.name()}: {err.str()}"
-    return KafkaError(int(err)).name() if isinstance(err, int) else str(err)
+    if isinstance(err, int):
+        return str(KafkaError(err).name())
+    return str(error)

@@ -5,5 +5,6 @@ client error paths (see its docstring for what it does not enforce).
 """
 
 from reliable_kafka.testing.cluster import LocalKafkaCluster, consume_all, free_port
+from reliable_kafka.testing.mock import MockCluster
 
-__all__ = ["LocalKafkaCluster", "consume_all", "free_port"]
+__all__ = ["LocalKafkaCluster", "MockCluster", "consume_all", "free_port"]

@@ -1,0 +1,25 @@
+"""Entry point of the `reliable-kafka` command: wires the sub-commands and logging."""
+
+from __future__ import annotations
+
+import logging
+
+import click
+
+from reliable_kafka.cli.cluster import cluster_group
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
+@click.version_option(package_name="reliable-kafka")
+def cli(verbose: int) -> None:
+    """reliable-kafka: Kafka without lost or duplicated messages."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+cli.add_command(cluster_group)
+
+
+def main() -> None:
+    cli(prog_name="reliable-kafka")

@@ -1,0 +1,52 @@
+"""A producer process that the crash tests SIGKILL at random points.
+
+It writes each value's index to a ledger file as soon as the client said "accepted" (send()
+returned for ReliableProducer; produce() returned for the bare control), so the ledger is exactly
+what the application believed was safe when it died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from confluent_kafka import Producer
+
+from reliable_kafka import ReliableProducer
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["reliable", "control"], required=True)
+    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--topic", required=True)
+    ap.add_argument("--outbox")
+    ap.add_argument("--start", type=int, required=True)
+    ap.add_argument("--end", type=int, required=True)
+    ap.add_argument("--ledger", required=True)
+    ap.add_argument("--batch", type=int, default=50)
+    args = ap.parse_args()
+
+    ledger = open(args.ledger, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    if args.mode == "reliable":
+        producer = ReliableProducer(
+            {"bootstrap.servers": args.bootstrap, "linger.ms": 20}, outbox_path=args.outbox, preflight="off"
+        )
+        for start in range(args.start, args.end, args.batch):
+            idx = range(start, min(start + args.batch, args.end))
+            producer.send_many([(args.topic, f"v-{i}".encode()) for i in idx])
+            ledger.write("".join(f"{i}\n" for i in idx))
+        remaining = producer.close(timeout=60)
+        return 0 if remaining == 0 else 3
+    control = Producer({"bootstrap.servers": args.bootstrap, "acks": "all", "linger.ms": 20})
+    for i in range(args.start, args.end):
+        control.produce(args.topic, f"v-{i}".encode())
+        control.poll(0)
+        ledger.write(f"{i}\n")
+    control.flush(60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""ReliableProducer against the real cluster: accepted means delivered, through faults and crashes.
+
+Each fault scenario runs a control client beside ours to show the fault bites.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Producer
+
+from reliable_kafka import DeliveryFailed, TopicConfigError
+from reliable_kafka.ids import message_id_of
+from reliable_kafka.producer import ReliableProducer
+from reliable_kafka.testing import LocalKafkaCluster, consume_all
+from reliable_kafka.testing.faults import hard_bounce_leader, isolated_leader
+from reliable_kafka.testing.verify import verdict
+
+pytestmark = pytest.mark.cluster
+
+CHILD = [sys.executable, "-m", "tests.integration.programs.producer_child"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _control_produce(bootstrap: str, topic: str, values: list[bytes], **conf: object) -> list[bytes]:
+    acked: list[bytes] = []
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, **conf})
+    for v in values:
+        p.produce(topic, v, on_delivery=lambda err, msg: acked.append(msg.value()) if err is None else None)
+        p.poll(0)
+    p.flush(60)
+    return acked
+
+
+def test_send_many_delivers_everything_once_and_empties_the_outbox(kafka, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=3)
+    values = [f"ok-{i}".encode() for i in range(20_000)]
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "o.db") as p:
+        for i in range(0, len(values), 500):
+            p.send_many([(topic, v) for v in values[i : i + 500]])
+        assert p.flush(60) == 0
+        assert p.pending == 0
+    msgs = list(consume_all(kafka.bootstrap_servers, topic))
+    v = verdict(values, [m.value() for m in msgs])
+    assert (v.acked, v.lost, v.duplicates) == (20_000, 0, 0)
+    assert len({message_id_of(m.headers()) for m in msgs}) == 20_000, "every message carries its own rk-id"
+
+
+def test_isolated_leader_acks1_control_loses_and_reliable_producer_does_not(kafka, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=1, configs={"min.insync.replicas": 2})
+    control_topic = make_topic(partitions=1, configs={"min.insync.replicas": 1})
+    ours = [f"ours-{i}".encode() for i in range(500)]
+    producer = ReliableProducer(
+        {"bootstrap.servers": kafka.bootstrap_servers, "message.timeout.ms": 120_000}, outbox_path=tmp_path / "o.db"
+    )
+    try:
+        # The control gets its own isolated leader first (same recipe, same cluster).
+        with isolated_leader(kafka, control_topic):
+            control_acked = _control_produce(
+                kafka.bootstrap_servers, control_topic, [f"c-{i}".encode() for i in range(500)],
+                acks="1", **{"enable.idempotence": False, "message.timeout.ms": 20_000},
+            )
+        with isolated_leader(kafka, topic):
+            for i in range(0, len(ours), 50):
+                producer.send_many([(topic, v) for v in ours[i : i + 50]])
+            # acks=all cannot complete while both followers are paused: nothing is confirmed yet.
+            assert producer.pending > 0
+        assert producer.flush(90) == 0
+    finally:
+        producer.close(10)
+    control = verdict(control_acked, [m.value() for m in consume_all(kafka.bootstrap_servers, control_topic)])
+    reliable = verdict(ours, [m.value() for m in consume_all(kafka.bootstrap_servers, topic)])
+    assert control.lost > 0, f"the fault did not bite the acks=1 control: {control}"
+    assert (reliable.lost, reliable.duplicates) == (0, 0), reliable
+
+
+def test_leader_hard_bounce_three_times_during_a_stream_loses_nothing(kafka, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=1)
+    values = [f"hb-{i}".encode() for i in range(9_000)]
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "o.db") as p:
+        for round_ in range(3):
+            chunk = values[round_ * 3000 : (round_ + 1) * 3000]
+            for i in range(0, 1500, 100):
+                p.send_many([(topic, v) for v in chunk[i : i + 100]])
+            hard_bounce_leader(kafka, topic)  # SIGKILL mid-stream, elect, restart the old leader
+            for i in range(1500, 3000, 100):
+                p.send_many([(topic, v) for v in chunk[i : i + 100]])
+            kafka.wait_healthy()
+        assert p.flush(90) == 0
+    v = verdict(values, [m.value() for m in consume_all(kafka.bootstrap_servers, topic)])
+    assert (v.lost, v.duplicates) == (0, 0), v
+
+
+def _run_killed(mode: str, kafka: LocalKafkaCluster, topic: str, tmp_path: Path, total: int, kills: int,
+                seed: int) -> tuple[set[int], int]:
+    """Run the child producer, SIGKILL it `kills` times at random moments, resume after the ledger each time."""
+    rng = random.Random(seed)
+    ledger = tmp_path / f"{mode}.ledger"
+    ledger.touch()
+    done_kills = 0
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        accepted = {int(x) for x in ledger.read_text().split()}
+        start = max(accepted) + 1 if accepted else 0
+        cmd = CHILD + ["--mode", mode, "--bootstrap", kafka.bootstrap_servers, "--topic", topic,
+                       "--outbox", str(tmp_path / f"{mode}.db"), "--start", str(start), "--end", str(total),
+                       "--ledger", str(ledger)]
+        child = subprocess.Popen(cmd, cwd=ROOT)
+        if done_kills < kills:
+            time.sleep(rng.uniform(0.8, 2.5))
+            if child.poll() is None:
+                child.kill()  # SIGKILL, only our own child
+                child.wait()
+                done_kills += 1
+                continue
+        assert child.wait(timeout=180) == 0
+        break
+    accepted = {int(x) for x in ledger.read_text().split()}
+    return accepted, done_kills
+
+
+@pytest.mark.slow
+def test_producer_process_sigkilled_ten_times_loses_nothing_while_bare_client_loses(kafka, make_topic,
+                                                                                       tmp_path) -> None:
+    ours_topic = make_topic(partitions=3)
+    control_topic = make_topic(partitions=3)
+    total = 50_000
+    accepted, kills = _run_killed("reliable", kafka, ours_topic, tmp_path, total, kills=10, seed=7)
+    assert kills == 10
+    msgs = list(consume_all(kafka.bootstrap_servers, ours_topic))
+    values = [m.value() for m in msgs]
+    v = verdict([f"v-{i}".encode() for i in accepted], values)
+    assert v.lost == 0, v
+    # A re-send after a crash is recognisable: every copy of a value carries the same rk-id.
+    ids_by_value: dict[bytes, set[str | None]] = defaultdict(set)
+    for m in msgs:
+        ids_by_value[m.value()].add(message_id_of(m.headers()))
+    assert all(len(ids) == 1 for ids in ids_by_value.values())
+
+    c_accepted, c_kills = _run_killed("control", kafka, control_topic, tmp_path, 20_000, kills=3, seed=8)
+    control = verdict([f"v-{i}".encode() for i in c_accepted],
+                      [m.value() for m in consume_all(kafka.bootstrap_servers, control_topic)])
+    assert c_kills == 3
+    assert control.lost > 0, f"killing the bare client lost nothing: {control}"
+
+
+def test_all_brokers_down_send_keeps_accepting_then_everything_is_delivered(kafka, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=2)
+    values = [f"down-{i}".encode() for i in range(3000)]
+    p = ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "o.db",
+                         max_pending=2000, send_timeout=1.0)
+    try:
+        p.send_many([(topic, v) for v in values[:500]])
+        assert p.flush(30) == 0
+        for node in kafka.node_ids:
+            kafka.kill(node)
+        down_since = time.monotonic()
+        accepted = 500
+        for i in range(500, 2500, 100):
+            p.send_many([(topic, v) for v in values[i : i + 100]])
+            accepted += 100
+        assert accepted == 2500, "send() kept accepting while every broker was down"
+        # The spool bound holds: 2000 unconfirmed messages fill it, the next batch waits, then is refused.
+        from reliable_kafka import OutboxFull
+
+        with pytest.raises(OutboxFull):
+            p.send_many([(topic, v) for v in values[2500:2600]])
+        time.sleep(max(0.0, 30 - (time.monotonic() - down_since)))
+        for node in kafka.node_ids:
+            kafka.start_node(node, wait=False)
+        kafka.wait_healthy(timeout=120)
+        p.send_many([(topic, v) for v in values[2500:]])
+        assert p.flush(120) == 0
+    finally:
+        p.close(10)
+    v = verdict(values, [m.value() for m in consume_all(kafka.bootstrap_servers, topic)])
+    assert (v.lost, v.duplicates) == (0, 0), v
+
+
+def test_oversized_message_is_refused_and_kept_as_failed(kafka, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=1, configs={"max.message.bytes": 2000})
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "o.db") as p:
+        small = p.send(topic, b"small")
+        with pytest.raises(DeliveryFailed, match="max.message.bytes=2000") as refused:
+            p.send(topic, b"x" * 10_000)
+        assert p.flush(30) == 0
+        failed = p.failed()
+    assert [r.message_id for r in failed] == [refused.value.message_id]
+    assert [m.value() for m in consume_all(kafka.bootstrap_servers, topic)] == [b"small"]
+    assert small.message_id != refused.value.message_id
+
+
+def test_broker_size_refusal_fails_only_the_oversized_record_not_its_batch(kafka, make_topic, tmp_path) -> None:
+    """The broker rejects a whole batch for one oversized record; only that record may end up failed."""
+    from confluent_kafka.admin import AlterConfigOpType, ConfigEntry, ConfigResource
+
+    topic = make_topic(partitions=1, configs={"max.message.bytes": 100_000})
+    conf = {"bootstrap.servers": kafka.bootstrap_servers, "linger.ms": 200}
+    with ReliableProducer(conf, outbox_path=tmp_path / "o.db") as p:
+        p.send(topic, b"warm-up")  # preflight learns max.message.bytes=100000
+        assert p.flush(30) == 0
+        res = ConfigResource(ConfigResource.Type.TOPIC, topic,
+                             incremental_configs=[ConfigEntry("max.message.bytes", "2000",
+                                                              incremental_operation=AlterConfigOpType.SET)])
+        admin = kafka.admin()
+        admin.incremental_alter_configs([res])[res].result(timeout=30)
+        time.sleep(2)
+        sent = p.send_many([(topic, b"a" * 100), (topic, b"x" * 10_000), (topic, b"b" * 100)])
+        assert p.flush(60) == 0
+        failed = p.failed()
+    assert [r.message_id for r in failed] == [sent[1].message_id]
+    assert "MSG_SIZE_TOO_LARGE" in (failed[0].last_error or "")
+    got = [m.value() for m in consume_all(kafka.bootstrap_servers, topic)]
+    assert got == [b"warm-up", b"a" * 100, b"b" * 100]
+
+
+def test_message_over_client_limit_raises_and_is_kept_as_failed(kafka, make_topic, tmp_path) -> None:
+    topic = make_topic()
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers, "message.max.bytes": 10_000},
+                          outbox_path=tmp_path / "o.db") as p:
+        with pytest.raises(DeliveryFailed, match="MSG_SIZE_TOO_LARGE"):
+            p.send(topic, b"y" * 50_000)
+        assert len(p.failed()) == 1
+
+
+def test_unknown_topic_is_kept_as_failed(kafka, tmp_path) -> None:
+    conf = {"bootstrap.servers": kafka.bootstrap_servers, "topic.metadata.propagation.max.ms": 2000}
+    with ReliableProducer(conf, outbox_path=tmp_path / "o.db") as p:
+        sent = p.send("no-such-topic-here", b"lost?")
+        assert p.flush(30) == 0
+        failed = p.failed()
+    assert [r.message_id for r in failed] == [sent.message_id]
+    assert "UNKNOWN" in (failed[0].last_error or "").upper()
+
+
+def test_preflight_refuses_topics_that_cannot_keep_acks_all(kafka, make_topic, tmp_path) -> None:
+    weak = make_topic(configs={"min.insync.replicas": 1})
+    rf1 = make_topic(replication_factor=1)
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "o.db") as p:
+        with pytest.raises(TopicConfigError, match="min.insync.replicas"):
+            p.send(weak, b"x")
+        with pytest.raises(TopicConfigError, match="replication factor 1"):
+            p.send(rf1, b"x")
+        assert p.pending == 0, "a refused topic accepted nothing"
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "w.db",
+                          preflight="warn") as p:
+        p.send(weak, b"accepted with a warning")
+        assert p.flush(30) == 0
+
+
+def test_restart_resends_pending_rows_in_original_order(kafka, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=1)
+    path = tmp_path / "o.db"
+    # Spool rows while every broker is unreachable (a wrong port), then close: they stay pending.
+    p = ReliableProducer({"bootstrap.servers": "127.0.0.1:1"}, outbox_path=path, preflight="off")
+    p.send_many([(topic, f"r-{i}".encode()) for i in range(1000)])
+    assert p.close(timeout=1) == 1000
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=path) as p2:
+        p2.send(topic, b"after-restart")
+        assert p2.flush(30) == 0
+    got = [m.value() for m in consume_all(kafka.bootstrap_servers, topic)]
+    assert got == [f"r-{i}".encode() for i in range(1000)] + [b"after-restart"]
