@@ -1,0 +1,300 @@
+"""SQLite dedup store: claims and confirmations in one WAL-mode table, shared by processes on one host.
+
+Every batch is one BEGIN IMMEDIATE transaction, so two processes never both claim a key; inbox mode
+commits the application's own rows and the confirmation in one transaction, so effect and record are atomic.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from sqlite_utils import Database
+
+from reliable_kafka.dedup.base import ClaimResult, DedupStore, distinct_keys, lease_ms, retention_ms
+from reliable_kafka.errors import DedupStoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+TABLE = "rk_dedup"
+_CLAIMED = "claimed"
+_DONE = "done"
+
+# Keys travel as one JSON array parameter: a batch of any size is one statement, with no limit on the
+# number of SQL variables and no per-key round trip through the sqlite3 module.
+_IN_BATCH = "key IN (SELECT value FROM json_each(:keys))"
+
+_SELECT_STATE = f"SELECT key, state, expires_ms FROM {TABLE} WHERE {_IN_BATCH}"
+
+# `WHERE true` is required by SQLite's grammar to tell an upsert's ON CONFLICT from a join clause.
+_UPSERT = (
+    f"INSERT INTO {TABLE} (key, state, owner, expires_ms)"
+    " SELECT value, :state, :owner, :expires_ms FROM json_each(:keys) WHERE true"
+    " ON CONFLICT (key) DO UPDATE SET"
+    " state = excluded.state, owner = excluded.owner, expires_ms = excluded.expires_ms"
+)
+
+_COUNT_TAKEN_OVER = (
+    f"SELECT count(*) FROM {TABLE} WHERE {_IN_BATCH}"
+    f" AND state = '{_CLAIMED}' AND owner != :owner AND expires_ms > :now"
+)
+
+_RELEASE = f"DELETE FROM {TABLE} WHERE {_IN_BATCH} AND state = '{_CLAIMED}' AND owner = :owner"
+
+_PURGE = f"DELETE FROM {TABLE} WHERE expires_ms <= :now"
+
+
+def _now_ms() -> int:
+    # Wall-clock time, not monotonic: leases are compared across processes sharing the file.
+    return time.time_ns() // 1_000_000
+
+
+class SQLiteInbox:
+    """One open inbox transaction: write the effect through ``conn``, then ``confirm`` the keys it covers.
+
+    Do not call ``conn.commit()`` or ``conn.rollback()``: the ``with`` block commits (or rolls back) the
+    application's rows and the confirmations together.
+    """
+
+    def __init__(self, store: SQLiteDedupStore, conn: sqlite3.Connection) -> None:
+        self._store = store
+        self.conn = conn
+
+    def confirm(self, keys: Sequence[str]) -> None:
+        """Record the keys as done in this transaction: they count only if the block commits."""
+        self._store.confirm(keys)
+
+
+class SQLiteDedupStore(DedupStore):
+    """A dedup store in a SQLite file (WAL mode), usable by several processes and threads at once.
+
+    Durability: WAL with ``synchronous=NORMAL`` keeps every committed claim and confirmation across a
+    crash of the process; a power loss can forget the last few, which can let a redelivered message run
+    again. Use a file on a local disk (network file systems break SQLite's locking).
+
+    Inbox mode makes the effect and the dedup record one atomic write when the effect is a write to the
+    same SQLite file (keep the application's tables in the store's file)::
+
+        result = store.claim(keys)
+        with store.inbox() as tx:
+            tx.conn.execute("INSERT INTO orders ...")
+            tx.confirm(keys_handled)
+
+    Either both commit or, on any exception inside the block, neither does; a crash in between leaves
+    neither, and the key's claim simply expires. Store methods called on the same thread inside the block
+    join its transaction; other threads wait until it ends (one connection per store).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        retention_s: float = 7 * 24 * 3600,
+        busy_timeout_s: float = 5.0,
+        purge_every: int = 10_000,
+    ) -> None:
+        """Open (creating if needed) the store at ``path``.
+
+        ``retention_s``: how long a confirmed key is remembered (duplicates older than that pass).
+        ``busy_timeout_s``: how long a batch waits for another process's write lock before the store is
+        reported unavailable. ``purge_every``: expired rows are purged after this many confirmed keys.
+        """
+        self.path = os.fspath(path)
+        self.owner = uuid.uuid4().hex
+        self._retention_ms = retention_ms(retention_s)
+        self._busy_timeout_s = busy_timeout_s
+        self._purge_every = purge_every
+        self._confirmed_since_purge = 0
+        # Reentrant so that store calls inside an inbox block on the same thread join its transaction.
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._closed = False
+        self._conn = self._open()
+
+    def _open(self) -> sqlite3.Connection:
+        try:
+            # isolation_level=None: the store issues BEGIN IMMEDIATE itself; Python's implicit deferred
+            # BEGIN would take the write lock late and fail with SQLITE_BUSY instead of waiting.
+            conn = sqlite3.connect(
+                self.path, timeout=self._busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as exc:
+            raise self._unavailable("open the file", exc) from exc
+        try:
+            db = Database(conn)
+            db.enable_wal()
+            db.execute("PRAGMA synchronous=NORMAL")
+            table = db.table(TABLE)
+            table.create(
+                {"key": str, "state": str, "owner": str, "expires_ms": int},
+                pk="key",
+                not_null={"state", "owner", "expires_ms"},
+                if_not_exists=True,
+            )
+            table.create_index(["expires_ms"], index_name=f"{TABLE}_expires_ms", if_not_exists=True)
+        except sqlite3.Error as exc:
+            conn.close()
+            raise self._unavailable("open the file", exc) from exc
+        return conn
+
+    def _unavailable(self, action: str, exc: BaseException) -> DedupStoreUnavailable:
+        return DedupStoreUnavailable(
+            f"SQLite dedup store {self.path!r} could not {action}: {str(exc).rstrip('.')}."
+            " The consumer holds its progress (fail-closed) until the store works again: check that the"
+            " file is on a local disk, writable, not corrupt, and not kept locked by another process for"
+            f" longer than busy_timeout_s={self._busy_timeout_s}."
+        )
+
+    @contextmanager
+    def _transaction(self, action: str, *, own_statements: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction (a savepoint inside an inbox block); SQLite errors become unavailability.
+
+        ``own_statements=False`` lets errors raised by the block pass unchanged: in inbox mode they come
+        from the application's statements, which are not a store failure.
+        """
+        with self._lock:
+            if self._closed:
+                raise DedupStoreUnavailable(
+                    f"SQLite dedup store {self.path!r} is closed; could not {action}. Open a new store."
+                )
+            nested = self._depth > 0
+            try:
+                self._conn.execute("SAVEPOINT rk_dedup" if nested else "BEGIN IMMEDIATE")
+            except sqlite3.Error as exc:
+                raise self._unavailable(action, exc) from exc
+            self._depth += 1
+            try:
+                yield self._conn
+            except sqlite3.Error as exc:
+                self._undo(nested)
+                if own_statements:
+                    raise self._unavailable(action, exc) from exc
+                raise
+            except BaseException:
+                self._undo(nested)
+                raise
+            finally:
+                self._depth -= 1
+            try:
+                self._conn.execute("RELEASE rk_dedup" if nested else "COMMIT")
+            except sqlite3.Error as exc:
+                self._undo(nested)
+                raise self._unavailable(action, exc) from exc
+
+    def _undo(self, nested: bool) -> None:
+        # SQLite rolls a transaction back by itself after some errors (disk full, I/O): then there is
+        # nothing left to undo, and trying would hide the original error.
+        if not self._conn.in_transaction:
+            return
+        try:
+            if nested:
+                self._conn.execute("ROLLBACK TO rk_dedup")
+                self._conn.execute("RELEASE rk_dedup")
+            else:
+                self._conn.execute("ROLLBACK")
+        except sqlite3.Error:
+            logger.exception("rollback failed on SQLite dedup store %s", self.path)
+
+    def claim(self, keys: Sequence[str], lease_s: float = 30.0) -> ClaimResult:
+        """Reserve the keys that are free or whose lease/retention ran out; one transaction per batch."""
+        lease = lease_ms(lease_s)
+        batch = distinct_keys(keys)
+        if not batch:
+            return ClaimResult(frozenset(), frozenset(), frozenset())
+        with self._transaction("claim keys") as conn:
+            # Read the clock under the write lock, so every process compares leases in commit order.
+            now = _now_ms()
+            rows = conn.execute(_SELECT_STATE, {"keys": json.dumps(batch)}).fetchall()
+            live = {key: state for key, state, expires_ms in rows if expires_ms > now}
+            claimed = [key for key in batch if key not in live]
+            if claimed:
+                conn.execute(
+                    _UPSERT,
+                    {
+                        "state": _CLAIMED,
+                        "owner": self.owner,
+                        "expires_ms": now + lease,
+                        "keys": json.dumps(claimed),
+                    },
+                )
+        return ClaimResult(
+            claimed=frozenset(claimed),
+            done=frozenset(key for key, state in live.items() if state == _DONE),
+            busy=frozenset(key for key, state in live.items() if state == _CLAIMED),
+        )
+
+    def confirm(self, keys: Sequence[str]) -> None:
+        """Record the keys as done for ``retention_s``, whatever their claim state.
+
+        The handler already ran, so done is the truth even when the lease expired meanwhile and another
+        consumer claimed the key: that consumer's confirm or release then changes nothing. Such takeovers
+        are logged, because they mean the lease is shorter than the handler.
+        """
+        batch = distinct_keys(keys)
+        if not batch:
+            return
+        payload = json.dumps(batch)
+        with self._transaction("confirm keys") as conn:
+            now = _now_ms()
+            (taken_over,) = conn.execute(
+                _COUNT_TAKEN_OVER, {"keys": payload, "owner": self.owner, "now": now}
+            ).fetchone()
+            conn.execute(
+                _UPSERT,
+                {
+                    "state": _DONE,
+                    "owner": self.owner,
+                    "expires_ms": now + self._retention_ms,
+                    "keys": payload,
+                },
+            )
+            self._confirmed_since_purge += len(batch)
+            purge_due = self._confirmed_since_purge >= self._purge_every
+        if taken_over:
+            logger.warning(
+                "confirmed %d key(s) that another consumer had claimed after this one's lease expired;"
+                " the handler may have run twice: raise lease_s above the longest handler time",
+                taken_over,
+            )
+        if purge_due:
+            self.purge_expired()
+
+    def release(self, keys: Sequence[str]) -> None:
+        """Delete this store's claims on the keys (live or expired); done keys and other owners' stay."""
+        batch = distinct_keys(keys)
+        if not batch:
+            return
+        with self._transaction("release keys") as conn:
+            conn.execute(_RELEASE, {"keys": json.dumps(batch), "owner": self.owner})
+
+    def purge_expired(self) -> int:
+        """Delete expired claims and confirmations past retention; returns how many rows went."""
+        with self._transaction("purge expired keys") as conn:
+            deleted = conn.execute(_PURGE, {"now": _now_ms()}).rowcount
+            self._confirmed_since_purge = 0
+        logger.debug("purged %d expired dedup rows from %s", deleted, self.path)
+        return deleted
+
+    @contextmanager
+    def inbox(self) -> Iterator[SQLiteInbox]:
+        """A transaction holding the application's writes and its confirmations: both commit or neither.
+
+        The exception that aborted the block is re-raised unchanged after the rollback; failures to begin
+        or commit raise ``DedupStoreUnavailable``.
+        """
+        with self._transaction("run an inbox transaction", own_statements=False) as conn:
+            yield SQLiteInbox(self, conn)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._conn.close()
