@@ -99,7 +99,7 @@ def _headers(headers: Headers) -> list[tuple[str, bytes]]:
     for k, v in items:
         if not isinstance(k, str):
             raise SerializationError(f"header names must be str, got {type(k).__name__}")
-        out.append((k, v.encode() if isinstance(v, str) else bytes(v)))
+        out.append((k, v.encode() if isinstance(v, str) else b"" if v is None else bytes(v)))
     return out
 
 
@@ -262,6 +262,33 @@ class ReliableProducer:
         self._spool.close()
         return remaining
 
+    def state(self, sent: Sent) -> str:
+        """"pending", "delivered" or "failed" for a message this producer accepted."""
+        row = self._spool.get(sent.seq)
+        return "delivered" if row is None else row.state
+
+    def wait(self, sent: Sent, timeout: float | None = None) -> str:
+        """Wait until one message is delivered or failed (or `timeout`); returns its state."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._settled:
+            while True:
+                state = self.state(sent)
+                if state != "pending" or self._stop.is_set():
+                    return state
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return state
+                self._settled.wait(0.05 if left is None else min(0.05, left))
+
+    def reason(self, sent: Sent) -> str | None:
+        """Why a message is failed (or the last retriable error of a pending one)."""
+        row = self._spool.get(sent.seq)
+        return None if row is None else row.last_error
+
+    def forget_failed(self, sent: Sent) -> bool:
+        """Delete one failed message, when the caller keeps its own copy (e.g. an uncommitted source record)."""
+        return self._spool.purge(state="failed", seqs=[sent.seq]) == 1
+
     def failed(self, limit: int | None = None) -> list[OutboxRow]:
         """Messages Kafka refused for good, with the broker's reason (also: `reliable-kafka outbox list-failed`)."""
         return self._spool.failed(limit)
@@ -345,10 +372,9 @@ class ReliableProducer:
         if described is None:
             return True
         self._max_bytes[topic] = described.max_message_bytes
-        rows = self._spool.pending(after_seq=seq - 1, limit=1)
-        if not rows or rows[0].seq != seq:
+        r = self._spool.get(seq)
+        if r is None:
             return True
-        r = rows[0]
         return self._too_large(topic, r.value, r.key, r.headers) is not None
 
     def _retry_deferred_preflights(self) -> None:
@@ -414,9 +440,8 @@ class ReliableProducer:
             # Only the seqs queued before this round: a retriable refusal re-queues at the back.
             for _ in range(len(self._redeliver)):
                 seq = self._redeliver[0]
-                rows = self._spool.pending(after_seq=seq - 1, limit=1)
-                if rows and rows[0].seq == seq:
-                    r = rows[0]
+                r = self._spool.get(seq)
+                if r is not None and r.state == "pending":
                     if self._produce(r.topic, r.value, r.key, r.headers, r.partition, seq) is False:
                         return
                 self._redeliver.popleft()

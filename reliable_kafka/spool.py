@@ -21,6 +21,8 @@ class Spool(Protocol):
 
     def append(self, messages: Sequence[NewMessage], *, timeout: float = 30.0) -> list[int]: ...
     def pending(self, *, after_seq: int = 0, limit: int | None = None) -> list[OutboxRow]: ...
+    def get(self, seq: int) -> OutboxRow | None: ...
+    def purge(self, *, state: str = "failed", seqs: Iterable[int] | None = None) -> int: ...
     def mark_delivered(self, seqs: Iterable[int]) -> None: ...
     def mark_failed(self, seq: int, reason: str) -> None: ...
     def record_attempt(self, seqs: Iterable[int], error: str) -> None: ...
@@ -73,6 +75,19 @@ class MemorySpool:
                     if limit is not None and len(out) >= limit:
                         break
             return out
+
+    def get(self, seq: int) -> OutboxRow | None:
+        with self._cond:
+            return self._rows.get(seq) or self._failed.get(seq)
+
+    def purge(self, *, state: str = "failed", seqs: Iterable[int] | None = None) -> int:
+        with self._cond:
+            table = self._failed if state == "failed" else self._rows
+            chosen = list(table) if seqs is None else [s for s in seqs if s in table]
+            for seq in chosen:
+                del table[seq]
+            self._cond.notify_all()
+            return len(chosen)
 
     def mark_delivered(self, seqs: Iterable[int]) -> None:
         with self._cond:

@@ -1,0 +1,626 @@
+"""ReliableConsumer: commits per partition only what was processed, safe across rebalances.
+
+An offset is committed only when it and every offset before it on that partition were processed
+(or parked in the dead-letter topic with an acknowledged write); offsets are committed before a
+partition is released, and staged offsets of lost partitions are dropped (failure modes L6, L7).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from reliable_kafka.config import consumer_config
+from reliable_kafka.dedup.base import DedupStore
+from reliable_kafka.dlq import dead_letter_headers, dlq_topic_for
+from reliable_kafka.errors import (
+    CommitFailed,
+    ConfigError,
+    DeadLetterFailed,
+    DedupStoreUnavailable,
+    ReliableKafkaError,
+    RetriesExhausted,
+    RetryInterrupted,
+)
+from reliable_kafka.ids import message_id_of
+from reliable_kafka.kafka_errors import Disposition, classify, describe
+from reliable_kafka.offsets import OffsetTracker
+from reliable_kafka.retry import RetryPolicy, retry_kafka_call
+
+log = logging.getLogger(__name__)
+_rdkafka_log = logging.getLogger("reliable_kafka.rdkafka")
+
+Handler = Callable[[Message], Any]
+BatchHandler = Callable[[list[Message]], Any]
+KeyFunction = Callable[[Message], "str | None"]
+
+_NO_RETRY = RetryPolicy(attempts=1)
+
+
+@dataclass(frozen=True)
+class DeadLetterPolicy:
+    """Where poison records go. `template` may use {topic}; `timeout_s` bounds one DLQ write."""
+
+    template: str = "{topic}.dlq"
+    producer_config: Mapping[str, Any] | None = None
+    timeout_s: float = 30.0
+    retry_every_s: float = 5.0
+
+
+@dataclass
+class _Work:
+    msg: Message
+    epoch: int
+    key: str | None  # dedup key claimed for this record, if dedup is on
+
+
+class ReliableConsumer:
+    """A consumer group member that never commits past unprocessed work.
+
+    Two ways to use it:
+      * handler API: `run(handler)` — retries (RetryPolicy), dead-letter topic, optional bounded
+        concurrency (`concurrency=N`, records of one key stay in order), optional batch handler,
+        optional dedup store; stops gracefully on `stop()` (e.g. from a SIGTERM handler).
+      * explicit API: `for msg in consumer: ...; consumer.ack(msg)` — you say what was processed.
+    Offsets are committed every `commit_interval_s` or `commit_every` records, on revoke and on close.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        topics: Sequence[str],
+        *,
+        retry: RetryPolicy | None = None,
+        dead_letter: DeadLetterPolicy | None = DeadLetterPolicy(),
+        concurrency: int = 1,
+        max_in_flight: int = 2_000,
+        max_batch: int = 500,
+        commit_interval_s: float = 1.0,
+        commit_every: int = 10_000,
+        commit_timeout_s: float = 30.0,
+        dedup: DedupStore | None = None,
+        dedup_key: KeyFunction | None = None,
+        dedup_lease_s: float = 60.0,
+        dedup_fail_open: bool = False,
+        revoke_timeout_s: float = 30.0,
+    ) -> None:
+        if not topics:
+            raise ConfigError("topics", "subscribe to at least one topic")
+        if concurrency < 1:
+            raise ConfigError("concurrency", f"must be at least 1, got {concurrency}")
+        if max_in_flight < max_batch:
+            raise ConfigError("max_in_flight", f"must be at least max_batch ({max_batch})")
+        self._config = consumer_config(config)
+        self.topics = list(topics)
+        self._retry = retry or RetryPolicy()
+        self._dead_letter = dead_letter
+        self._concurrency = concurrency
+        self._max_in_flight = max_in_flight
+        self._max_batch = max_batch
+        self._commit_interval_s = commit_interval_s
+        self._commit_every = commit_every
+        self._commit_timeout_s = commit_timeout_s
+        self._dedup = dedup
+        self._dedup_key: KeyFunction = dedup_key or (lambda m: message_id_of(m.headers()))  # type: ignore[arg-type]
+        self._dedup_lease_s = dedup_lease_s
+        self._dedup_fail_open = dedup_fail_open
+        if dedup is not None and dedup_fail_open:
+            log.warning("dedup_fail_open=True: while the dedup store is down, duplicates are processed again")
+        self._revoke_timeout_s = revoke_timeout_s
+
+        self._tracker = OffsetTracker()
+        self._stop = threading.Event()
+        self._since_commit = 0
+        self._last_commit = time.monotonic()
+        self._confirm_lock = threading.Lock()
+        self._to_confirm: list[_Work] = []  # handled records whose dedup key still needs confirming
+        self._stuck: list[tuple[_Work, BaseException, int]] = []  # poison whose DLQ write failed
+        self._paused_by_us: set[tuple[str, int]] = set()
+        self._held: list[_Work] = []  # records waiting for the dedup store (fail-closed)
+        self._store_down_since: float | None = None
+        self._dlq_producer: Any = None
+        self._workers: list[threading.Thread] = []
+        self._queues: list[queue.Queue[_Work | None]] = []
+        self._handler: Handler | None = None
+        self._counts: dict[str, int] = defaultdict(int)
+
+        conf = dict(self._config)
+        conf.setdefault("logger", _rdkafka_log)
+        conf["error_cb"] = self._on_error
+        self._consumer = Consumer(conf)
+        self._consumer.subscribe(
+            self.topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
+        )
+
+    # ---- explicit API --------------------------------------------------------------------
+
+    def poll(self, timeout: float = 1.0) -> Message | None:
+        """The next record (tracked as in flight until you ack() it), or None."""
+        for msg in self._fetch(1, timeout):
+            return msg
+        return None
+
+    def __iter__(self) -> Iterator[Message]:
+        while not self._stop.is_set():
+            msg = self.poll(0.5)
+            if msg is not None:
+                yield msg
+            self.maybe_commit()
+
+    def ack(self, msg: Message) -> None:
+        """Mark a record processed: its offset may be committed once everything before it is too."""
+        topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+        assert topic is not None and partition is not None and offset is not None
+        self._tracker.done(topic, partition, offset)
+        self._since_commit += 1
+
+    def maybe_commit(self) -> None:
+        """Commit if the interval or the count since the last commit is reached."""
+        if self._since_commit >= self._commit_every or (
+            self._since_commit and time.monotonic() - self._last_commit >= self._commit_interval_s
+        ):
+            self.commit()
+
+    def commit(self, partitions: Sequence[tuple[str, int]] | None = None) -> dict[tuple[str, int], int]:
+        """Synchronously commit what is processed (of `partitions`, or all); returns what was committed."""
+        self._flush_confirms()
+        offsets = self._tracker.committable()
+        if partitions is not None:
+            wanted = set(partitions)
+            offsets = {tp: o for tp, o in offsets.items() if tp in wanted}
+        self._last_commit = time.monotonic()
+        self._since_commit = 0
+        if not offsets:
+            return {}
+        tps = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
+
+        def attempt() -> list[TopicPartition]:
+            result = self._consumer.commit(offsets=tps, asynchronous=False)
+            failed = [tp for tp in (result or []) if tp.error is not None]
+            if failed:
+                raise KafkaException(failed[0].error)
+            return tps
+
+        try:
+            retry_kafka_call(attempt, deadline_s=self._commit_timeout_s, what="offset commit")
+        except KafkaException as exc:
+            disposition = classify(exc)
+            if disposition is Disposition.REBALANCE:
+                # The group moved on: these partitions are being revoked and their new owner starts
+                # from the last committed offset. Redelivery, never a skip.
+                log.info("commit refused by a rebalance (%s); staged offsets are dropped", describe(exc))
+                return {}
+            if disposition is Disposition.RETRIABLE and "_NO_OFFSET" in describe(exc):
+                return {}
+            raise CommitFailed(f"could not commit offsets {offsets} within {self._commit_timeout_s:.0f}s: "
+                               f"{describe(exc)}") from exc
+        self._tracker.mark_committed(offsets)
+        self._counts["commits"] += 1
+        return offsets
+
+    # ---- handler API ---------------------------------------------------------------------
+
+    def run(self, handler: Handler | BatchHandler, *, batch: bool = False, stop_after: float | None = None) -> None:
+        """Consume until stop() (or `stop_after` seconds), calling `handler` for each record (or batch).
+
+        A handler that raises is retried by the RetryPolicy; a record that still fails goes to the
+        dead-letter topic, and its offset is committed only after that write is acknowledged.
+        """
+        deadline = None if stop_after is None else time.monotonic() + stop_after
+        self._handler = self._single(handler) if batch else handler  # type: ignore[assignment]
+        batch_handler: BatchHandler | None = handler if batch else None  # type: ignore[assignment]
+        self._start_workers()
+        try:
+            while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
+                self._step(batch_handler)
+        finally:
+            self._drain()
+
+    def stop(self) -> None:
+        """Ask run() to finish: stop fetching, finish in-flight records, commit, return. Signal-safe."""
+        self._stop.set()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Commit what is processed and leave the group (revoked partitions are committed first)."""
+        self._stop.set()
+        try:
+            self.commit()
+        except ReliableKafkaError as exc:
+            log.error("final commit failed (records will be redelivered, not lost): %s", exc)
+        self._consumer.close()
+        if self._dlq_producer is not None:
+            self._dlq_producer.close(timeout)
+
+    def __enter__(self) -> ReliableConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """handled, dead_lettered, duplicates_skipped, commits, ..."""
+        return dict(self._counts)
+
+    @property
+    def assignment(self) -> list[tuple[str, int]]:
+        return [(tp.topic, tp.partition) for tp in self._consumer.assignment()]
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def _step(self, batch_handler: BatchHandler | None) -> None:
+        if self._held:
+            self._claim_and_dispatch(self._take_held(), batch_handler)
+        elif self._tracker.in_flight() < self._max_in_flight:
+            self._resume_ours()
+            msgs = self._fetch(self._max_batch, 0.1)
+            if msgs:
+                if self._dedup is not None:
+                    self._claim_and_dispatch([self._work(m) for m in msgs], batch_handler)
+                else:
+                    self._dispatch([self._work(m) for m in msgs], batch_handler)
+        else:
+            # The backlog is full: pause fetching but keep polling, so the group does not think we
+            # died (max.poll.interval.ms) while handlers catch up.
+            self._pause_all()
+            self._consumer.poll(0.05)
+        if self._stuck:
+            self._retry_stuck()
+        self._flush_confirms()
+        self.maybe_commit()
+
+    def _fetch(self, n: int, timeout: float) -> list[Message]:
+        out = []
+        for msg in self._consumer.consume(num_messages=n, timeout=timeout):
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                if err.fatal():
+                    raise KafkaException(err)
+                log.warning("consumer error: %s", describe(err))
+                continue
+            out.append(msg)
+        # One tracker call per partition in the batch (the hot path).
+        by_tp: dict[tuple[str, int], list[int]] = defaultdict(list)
+        for m in out:
+            by_tp[(m.topic(), m.partition())].append(m.offset())  # type: ignore[index,arg-type]
+        self._epochs = {tp: self._tracker.track_many(tp[0], tp[1], offs) for tp, offs in by_tp.items()}
+        return out
+
+    def _work(self, msg: Message) -> _Work:
+        return _Work(msg, self._epochs[(msg.topic(), msg.partition())], None)  # type: ignore[index]
+
+    def _dispatch(self, works: list[_Work], batch_handler: BatchHandler | None) -> None:
+        if batch_handler is not None and self._concurrency == 1 and len(works) > 1:
+            self._run_batch(works, batch_handler)
+            return
+        if self._concurrency == 1:
+            for w in works:
+                self._process(w)
+            return
+        for w in works:
+            key = w.msg.key()
+            route = key if key is not None else f"{w.msg.topic()}/{w.msg.partition()}".encode()
+            self._queues[zlib.crc32(route) % self._concurrency].put(w)
+
+    def _run_batch(self, works: list[_Work], batch_handler: BatchHandler) -> None:
+        msgs = [w.msg for w in works]
+        try:
+            self._retry.run(lambda: batch_handler(msgs), stop_event=self._stop, label=f"batch of {len(msgs)}")
+        except RetryInterrupted:
+            return
+        except RetriesExhausted:
+            # Find the poison one by one: each record gets its own retries, then the DLQ.
+            log.warning("batch of %d failed after retries; handling its records one by one", len(msgs))
+            for w in works:
+                self._process(w)
+            return
+        for w in works:
+            self._handled(w)
+
+    @staticmethod
+    def _single(batch_handler: Any) -> Handler:
+        return lambda msg: batch_handler([msg])
+
+    def _process(self, w: _Work) -> None:
+        """Handle one record: retries, then the DLQ. Runs on the loop thread or a worker."""
+        assert self._handler is not None
+        handler = self._handler
+        label = f"{w.msg.topic()}[{w.msg.partition()}]@{w.msg.offset()}"
+        try:
+            self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label)
+        except RetryInterrupted:
+            self._release(w)  # unfinished, not poison: it is delivered again after the restart
+            return
+        except RetriesExhausted as exc:
+            self._dead_letter_or_hold(w, exc.last_error or exc, exc.attempts)
+            return
+        self._handled(w)
+
+    def _handled(self, w: _Work) -> None:
+        self._counts["handled"] += 1
+        if w.key is not None:
+            # Confirm before the offset may be committed: effect, then dedup record, then offset.
+            with self._confirm_lock:
+                self._to_confirm.append(w)
+        else:
+            self._done(w)
+
+    def _done(self, w: _Work) -> None:
+        self._tracker.done(w.msg.topic(), w.msg.partition(), w.msg.offset(), w.epoch)  # type: ignore[arg-type]
+        self._since_commit += 1
+
+    # ---- dead letters --------------------------------------------------------------------
+
+    def _dead_letter_or_hold(self, w: _Work, error: BaseException, attempts: int) -> None:
+        if self._dead_letter is None:
+            # No DLQ: the record is never skipped; its partition stops advancing here.
+            log.error("record %s[%d]@%d failed for good and there is no DLQ; its partition will not commit "
+                      "past it", w.msg.topic(), w.msg.partition(), w.msg.offset())
+            self._hold_stuck(w, error, attempts)
+            return
+        try:
+            self._write_dead_letter(w, error, attempts)
+        except DeadLetterFailed as exc:
+            log.error("%s; partition %s[%d] stops advancing until the DLQ write succeeds",
+                      exc, w.msg.topic(), w.msg.partition())
+            self._hold_stuck(w, error, attempts)
+            return
+        self._counts["dead_lettered"] += 1
+        self._handled(w)
+
+    def _hold_stuck(self, w: _Work, error: BaseException, attempts: int) -> None:
+        with self._confirm_lock:
+            self._stuck.append((w, error, attempts))
+
+    def _write_dead_letter(self, w: _Work, error: BaseException, attempts: int) -> None:
+        assert self._dead_letter is not None
+        from reliable_kafka.producer import ReliableProducer
+
+        topic = w.msg.topic()
+        assert topic is not None
+        dlq = dlq_topic_for(topic, self._dead_letter.template)
+        if self._dlq_producer is None:
+            conf = {k: v for k, v in self._config.items()
+                    if k.startswith(("bootstrap.", "security.", "sasl.", "ssl.", "client."))}
+            conf.update(self._dead_letter.producer_config or {})
+            conf.setdefault("topic.metadata.propagation.max.ms", 10_000)
+            conf.setdefault("message.timeout.ms", int(self._dead_letter.timeout_s * 1000))
+            # Memory mode is enough: the source record stays uncommitted until the DLQ write is acked.
+            self._dlq_producer = ReliableProducer(conf, durability="memory", preflight="warn")
+        headers = dead_letter_headers(
+            topic=topic, partition=w.msg.partition() or 0, offset=w.msg.offset() or 0,
+            timestamp_ms=w.msg.timestamp()[1] if w.msg.timestamp()[0] else None,
+            error=error, attempts=attempts, original_headers=w.msg.headers(),
+        )
+        try:
+            sent = self._dlq_producer.send(dlq, w.msg.value(), w.msg.key(), headers)
+        except ReliableKafkaError as exc:
+            raise DeadLetterFailed(f"dead-letter write to {dlq!r} refused: {exc}") from exc
+        state = self._dlq_producer.wait(sent, timeout=self._dead_letter.timeout_s)
+        if state != "delivered":
+            reason = self._dlq_producer.reason(sent) or f"not acknowledged within {self._dead_letter.timeout_s}s"
+            if state == "failed":
+                self._dlq_producer.forget_failed(sent)
+            raise DeadLetterFailed(f"dead-letter write to {dlq!r} failed: {reason}")
+
+    def _retry_stuck(self) -> None:
+        with self._confirm_lock:
+            stuck, self._stuck = self._stuck, []
+        now = time.monotonic()
+        still = []
+        for w, error, attempts in stuck:
+            if self._dead_letter is None or now - getattr(self, "_last_stuck_try", 0.0) < \
+                    self._dead_letter.retry_every_s:
+                still.append((w, error, attempts))
+                continue
+            try:
+                self._write_dead_letter(w, error, attempts)
+            except DeadLetterFailed:
+                still.append((w, error, attempts))
+                continue
+            self._counts["dead_lettered"] += 1
+            self._handled(w)
+        if stuck and self._dead_letter is not None and \
+                now - getattr(self, "_last_stuck_try", 0.0) >= self._dead_letter.retry_every_s:
+            self._last_stuck_try = now
+        with self._confirm_lock:
+            self._stuck.extend(still)
+
+    # ---- dedup ---------------------------------------------------------------------------
+
+    def _claim_and_dispatch(self, works: list[_Work], batch_handler: BatchHandler | None) -> None:
+        assert self._dedup is not None
+        keyed: dict[str, list[_Work]] = defaultdict(list)
+        plain: list[_Work] = []
+        for w in works:
+            key = self._dedup_key(w.msg)
+            if key is None:
+                plain.append(w)
+            else:
+                keyed[key].append(w)
+        try:
+            result = self._dedup.claim(list(keyed), self._dedup_lease_s) if keyed else None
+        except DedupStoreUnavailable as exc:
+            if self._dedup_fail_open:
+                self._dispatch(works, batch_handler)
+                return
+            self._store_outage(exc)
+            self._held = works
+            self._pause_all()
+            self._consumer.poll(0.2)  # stay in the group; paused partitions deliver nothing
+            time.sleep(min(2.0, 0.1 * 2 ** min(5, self._counts["store_retries"])))
+            self._counts["store_retries"] += 1
+            return
+        if self._store_down_since is not None:
+            log.warning("dedup store is back after %.1fs; resuming", time.monotonic() - self._store_down_since)
+            self._store_down_since = None
+            self._counts["store_retries"] = 0
+        run: list[_Work] = list(plain)
+        later: list[_Work] = []
+        for key, ws in keyed.items():
+            if result is not None and key in result.done:
+                for w in ws:
+                    self._counts["duplicates_skipped"] += 1
+                    self._done(w)
+            elif result is not None and key in result.claimed:
+                run.append(_Work(ws[0].msg, ws[0].epoch, key))
+                # Copies of the same key in one batch: the first one's effect covers them.
+                for w in ws[1:]:
+                    self._counts["duplicates_skipped"] += 1
+                    self._done(w)
+            else:
+                later.extend(ws)  # busy: another consumer (or a dead one's lease) holds it
+        run.sort(key=lambda w: (w.msg.partition(), w.msg.offset()))
+        self._dispatch(run, batch_handler)
+        if later:
+            self._held = later
+            time.sleep(0.2)
+
+    def _take_held(self) -> list[_Work]:
+        held, self._held = self._held, []
+        return held
+
+    def _store_outage(self, exc: Exception) -> None:
+        if self._store_down_since is None:
+            self._store_down_since = time.monotonic()
+            # One line per outage, not per retry.
+            log.error("dedup store unavailable (%s); holding progress, nothing is committed until it is back", exc)
+
+    def _flush_confirms(self) -> None:
+        with self._confirm_lock:
+            pending, self._to_confirm = self._to_confirm, []
+        if not pending:
+            return
+        if self._dedup is not None:
+            try:
+                self._dedup.confirm([w.key for w in pending if w.key is not None])
+            except DedupStoreUnavailable as exc:
+                self._store_outage(exc)
+                with self._confirm_lock:
+                    self._to_confirm = pending + self._to_confirm
+                return
+        for w in pending:
+            self._done(w)
+
+    def _release(self, w: _Work) -> None:
+        if self._dedup is not None and w.key is not None:
+            try:
+                self._dedup.release([w.key])
+            except DedupStoreUnavailable:
+                pass  # the lease expires on its own
+
+    # ---- workers -------------------------------------------------------------------------
+
+    def _start_workers(self) -> None:
+        if self._concurrency == 1 or self._workers:
+            return
+        for i in range(self._concurrency):
+            q: queue.Queue[_Work | None] = queue.Queue()
+            t = threading.Thread(target=self._worker, args=(q,), name=f"reliable-kafka-worker-{i}", daemon=True)
+            self._queues.append(q)
+            self._workers.append(t)
+            t.start()
+
+    def _worker(self, q: queue.Queue[_Work | None]) -> None:
+        while True:
+            w = q.get()
+            if w is None:
+                return
+            try:
+                self._process(w)
+            except Exception:
+                log.exception("worker failed on a record; it stays uncommitted and will be redelivered")
+
+    def _wait_idle(self, timeout: float, partitions: set[tuple[str, int]] | None = None) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._flush_confirms()
+            if partitions is None:
+                busy = self._tracker.in_flight() - self._stuck_count() > 0 and self._concurrency > 1
+            else:
+                busy = self._concurrency > 1 and any(
+                    self._tracker.in_flight(t, p) for t, p in partitions
+                )
+            if not busy:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def _stuck_count(self) -> int:
+        with self._confirm_lock:
+            return len(self._stuck)
+
+    def _drain(self) -> None:
+        """Graceful stop: finish in-flight records, confirm, commit."""
+        self._wait_idle(self._revoke_timeout_s)
+        for q in self._queues:
+            q.put(None)
+        for t in self._workers:
+            t.join(timeout=self._revoke_timeout_s)
+        self._workers, self._queues = [], []
+        try:
+            self.commit()
+        except ReliableKafkaError as exc:
+            log.error("commit at stop failed (records will be redelivered, not lost): %s", exc)
+
+    # ---- rebalances ----------------------------------------------------------------------
+
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            self._tracker.reset(tp.topic, tp.partition)
+            self._paused_by_us.discard((tp.topic, tp.partition))
+        log.info("assigned %s", [(tp.topic, tp.partition) for tp in partitions])
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        revoked = {(tp.topic, tp.partition) for tp in partitions}
+        # Finish what is in flight for these partitions and commit it before the new owner starts.
+        if not self._wait_idle(self._revoke_timeout_s, revoked):
+            log.warning("records of revoked partitions still running after %.0fs; they will be redelivered",
+                        self._revoke_timeout_s)
+        try:
+            self.commit(list(revoked))
+        except ReliableKafkaError as exc:
+            log.error("commit on revoke failed (records will be redelivered, not lost): %s", exc)
+        self._forget(revoked)
+        log.info("revoked %s", sorted(revoked))
+
+    def _on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        lost = {(tp.topic, tp.partition) for tp in partitions}
+        log.warning("partitions lost %s: staged offsets dropped, records will be redelivered", sorted(lost))
+        self._forget(lost)
+
+    def _forget(self, partitions: set[tuple[str, int]]) -> None:
+        self._tracker.drop(partitions)
+        with self._confirm_lock:
+            self._stuck = [s for s in self._stuck if (s[0].msg.topic(), s[0].msg.partition()) not in partitions]
+        self._held = [w for w in self._held if (w.msg.topic(), w.msg.partition()) not in partitions]
+        self._paused_by_us -= partitions
+
+    def _pause_all(self) -> None:
+        assigned = self._consumer.assignment()
+        fresh = [tp for tp in assigned if (tp.topic, tp.partition) not in self._paused_by_us]
+        if fresh:
+            self._consumer.pause(fresh)
+            self._paused_by_us |= {(tp.topic, tp.partition) for tp in fresh}
+
+    def _resume_ours(self) -> None:
+        if self._paused_by_us and not self._held and self._store_down_since is None:
+            self._consumer.resume([TopicPartition(t, p) for t, p in self._paused_by_us])
+            self._paused_by_us.clear()
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.code() == KafkaError._ALL_BROKERS_DOWN:
+            log.warning("all brokers are down; nothing is committed until they are back")
+        else:
+            log.debug("consumer: %s", describe(err))

@@ -1,0 +1,74 @@
+"""A consumer process that the crash and rebalance tests SIGKILL or SIGTERM.
+
+It appends each value it finished handling to a ledger file (one line, flushed), so the ledger
+is exactly what was processed when it died. It exits by itself after `--idle` seconds without
+records. SIGTERM asks the consumer to stop gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from confluent_kafka import Consumer
+
+from reliable_kafka.consumer import ReliableConsumer
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["reliable", "control"], required=True)
+    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--topic", required=True)
+    ap.add_argument("--group", required=True)
+    ap.add_argument("--ledger", required=True)
+    ap.add_argument("--sleep-ms", type=float, default=0.0)
+    ap.add_argument("--instance-id")
+    ap.add_argument("--idle", type=float, default=8.0)
+    ap.add_argument("--concurrency", type=int, default=1)
+    args = ap.parse_args()
+
+    ledger = open(args.ledger, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+    conf = {"bootstrap.servers": args.bootstrap, "group.id": args.group, "session.timeout.ms": 6000,
+            "heartbeat.interval.ms": 1000}
+    if args.instance_id:
+        conf["group.instance.id"] = args.instance_id
+    last_record = [time.monotonic()]
+
+    def handle(value: bytes) -> None:
+        if args.sleep_ms:
+            time.sleep(args.sleep_ms / 1000)
+        ledger.write(value.decode() + "\n")
+        last_record[0] = time.monotonic()
+
+    if args.mode == "control":
+        # The classic setup: auto-commit on a timer, offsets stored as soon as poll returns them.
+        control = Consumer({**conf, "enable.auto.commit": True, "auto.commit.interval.ms": 100,
+                            "auto.offset.reset": "earliest"})
+        control.subscribe([args.topic])
+        while time.monotonic() - last_record[0] < args.idle:
+            for msg in control.consume(num_messages=500, timeout=0.5):
+                if msg.error() is None:
+                    handle(msg.value())
+        control.close()
+        return 0
+
+    consumer = ReliableConsumer(conf, [args.topic], concurrency=args.concurrency, commit_interval_s=0.2)
+    signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
+    import threading
+
+    def idle_watch() -> None:
+        while time.monotonic() - last_record[0] < args.idle:
+            time.sleep(0.2)
+        consumer.stop()
+
+    threading.Thread(target=idle_watch, daemon=True).start()
+    consumer.run(lambda msg: handle(msg.value()))
+    consumer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
