@@ -3,6 +3,8 @@
 The public API is what this module exports; everything else is internal.
 """
 
+from reliable_kafka.consumer import DeadLetterPolicy, ReliableConsumer
+from reliable_kafka.dedup import ClaimResult, DedupStore, SQLiteDedupStore
 from reliable_kafka.errors import (
     ClusterUnreachable,
     CommitFailed,
@@ -16,14 +18,40 @@ from reliable_kafka.errors import (
     OutboxLocked,
     ProducerClosed,
     ReliableKafkaError,
+    RetriesExhausted,
+    RetryInterrupted,
     SerializationError,
     TopicConfigError,
     TransactionFenced,
 )
+from reliable_kafka.outbox import Durability, OutboxRow
+from reliable_kafka.producer import Message, ReliableProducer, Sent
+from reliable_kafka.retry import RetryPolicy
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # Optional extras are imported on first use, so `import reliable_kafka` needs none of them.
+    if name == "RedisDedupStore":
+        from reliable_kafka.dedup.redis import RedisDedupStore
+
+        return RedisDedupStore
+    raise AttributeError(f"module 'reliable_kafka' has no attribute {name!r}")
+
 __all__ = [
+    "ClaimResult",
+    "DeadLetterPolicy",
+    "DedupStore",
+    "Durability",
+    "Message",
+    "OutboxRow",
+    "ReliableConsumer",
+    "RedisDedupStore",
+    "ReliableProducer",
+    "RetryPolicy",
+    "SQLiteDedupStore",
+    "Sent",
     "ClusterUnreachable",
     "CommitFailed",
     "ConfigError",
@@ -36,6 +64,8 @@ __all__ = [
     "OutboxLocked",
     "ProducerClosed",
     "ReliableKafkaError",
+    "RetriesExhausted",
+    "RetryInterrupted",
     "SerializationError",
     "TopicConfigError",
     "TransactionFenced",

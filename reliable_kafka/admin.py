@@ -18,6 +18,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource
 from reliable_kafka.errors import ClusterUnreachable, TopicConfigError
 
 log = logging.getLogger(__name__)
+_rdkafka_log = logging.getLogger("reliable_kafka.rdkafka")
 
 MIN_REPLICATION_FACTOR = 3
 MIN_INSYNC_REPLICAS = 2
@@ -56,7 +57,8 @@ class TopicDurability:
 
 
 def admin_client(bootstrap_servers: str, extra: Mapping[str, Any] | None = None) -> AdminClient:
-    conf: dict[str, Any] = {"bootstrap.servers": bootstrap_servers, "socket.timeout.ms": 10_000}
+    conf: dict[str, Any] = {"bootstrap.servers": bootstrap_servers, "socket.timeout.ms": 10_000,
+                            "logger": _rdkafka_log}
     conf.update(extra or {})
     return AdminClient(conf)
 

@@ -146,3 +146,42 @@ def consumer_config(user: Mapping[str, Any] | None = None) -> dict[str, Any]:
     if "bootstrap.servers" not in cfg or not str(cfg["bootstrap.servers"]).strip():
         raise ConfigError("bootstrap.servers", "is required: where are the brokers?")
     return cfg
+
+
+TRANSACTIONAL_DEFAULTS: dict[str, Any] = {
+    # How long the coordinator lets a transaction stay open before aborting it. It also bounds how
+    # long a crashed instance's open transaction holds back read_committed readers (until the
+    # same transactional.id starts again, which aborts it at once).
+    "transaction.timeout.ms": 60_000,
+    # While the previous transaction's markers are being written (a few ms), the coordinator answers
+    # the next transaction's first request with CONCURRENT_TRANSACTIONS, and librdkafka waits
+    # retry.backoff.ms before asking again: 100 ms would add about that much to every commit.
+    "retry.backoff.ms": 10,
+}
+
+
+def transactional_producer_config(user: Mapping[str, Any] | None, transactional_id: str) -> dict[str, Any]:
+    """Safe settings for a transactional producer: producer_config() plus `transactional.id`.
+
+    `message.timeout.ms` defaults to `transaction.timeout.ms`: a message must not outlive its own
+    transaction (librdkafka refuses the larger value). A user value above it raises ConfigError.
+    """
+    if not str(transactional_id or "").strip():
+        raise ConfigError("transactional.id", "is required: a stable name per processor instance")
+    cfg = {**TRANSACTIONAL_DEFAULTS, **_canonical(user or {})}
+    if "transactional.id" in cfg and cfg["transactional.id"] != transactional_id:
+        raise ConfigError(
+            "transactional.id",
+            f"given twice ({cfg['transactional.id']!r} in the config, {transactional_id!r} as argument)",
+        )
+    cfg["transactional.id"] = transactional_id
+    txn_timeout = _as_int("transaction.timeout.ms", cfg["transaction.timeout.ms"])
+    cfg.setdefault("message.timeout.ms", txn_timeout)
+    cfg = producer_config(cfg, transactional=True)
+    if _as_int("message.timeout.ms", cfg["message.timeout.ms"]) > txn_timeout:
+        raise ConfigError(
+            "message.timeout.ms",
+            f"{cfg['message.timeout.ms']} exceeds transaction.timeout.ms ({txn_timeout}): a message "
+            "would outlive the transaction that carries it",
+        )
+    return cfg

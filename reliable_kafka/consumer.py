@@ -7,6 +7,7 @@ partition is released, and staged offsets of lost partitions are dropped (failur
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -515,10 +516,8 @@ class ReliableConsumer:
 
     def _release(self, w: _Work) -> None:
         if self._dedup is not None and w.key is not None:
-            try:
+            with contextlib.suppress(DedupStoreUnavailable):  # the lease expires on its own
                 self._dedup.release([w.key])
-            except DedupStoreUnavailable:
-                pass  # the lease expires on its own
 
     # ---- workers -------------------------------------------------------------------------
 

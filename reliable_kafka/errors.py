@@ -124,3 +124,12 @@ class RetryInterrupted(ReliableKafkaError):
             f"stopped while waiting to retry after {attempts} attempt(s); the work is unfinished "
             f"(last error {last_error!r})"
         )
+
+
+class TransactionFailed(ReliableKafkaError):
+    """The transactional producer hit a fatal error other than fencing, or could not recover in time.
+
+    This instance stopped; its open transaction is aborted by the coordinator, and the records it
+    had not committed are processed again by whoever takes its partitions (or by its restart).
+    The message carries the broker's or librdkafka's reason (e.g. an authorisation failure).
+    """

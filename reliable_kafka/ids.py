@@ -63,7 +63,7 @@ def new_ids(n: int) -> list[str]:
                 _counter = 0
             # Uniqueness, not secrecy, is needed: the PRNG is several times cheaper than os.urandom.
             value = (_last_ms << 80) | (0x7 << 76) | (_counter << 64) | (0b10 << 62) | _rng.getrandbits(62)
-            h = "%032x" % value
+            h = f"{value:032x}"
             out.append(f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
     return out
 

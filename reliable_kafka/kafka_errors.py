@@ -102,6 +102,34 @@ def classify(error: KafkaError | KafkaException | int) -> Disposition:
     return Disposition.RETRIABLE
 
 
+# Another instance with the same transactional.id (or group.instance.id) took over: this one must stop,
+# never re-initialise, or it would fence the newer instance in turn.
+_FENCED_CODES = {
+    KafkaError._FENCED,
+    KafkaError.PRODUCER_FENCED,
+    KafkaError.INVALID_PRODUCER_EPOCH,
+    KafkaError.FENCED_INSTANCE_ID,
+}
+
+# The request may or may not have taken effect on the broker: the client gave up waiting, not the broker.
+_OUTCOME_UNKNOWN_CODES = {
+    KafkaError._TIMED_OUT,
+    KafkaError._TIMED_OUT_QUEUE,
+    KafkaError.REQUEST_TIMED_OUT,
+    KafkaError._TRANSPORT,
+}
+
+
+def is_fenced(error: KafkaError | KafkaException | int) -> bool:
+    """True when a newer instance fenced this one (same transactional.id or group.instance.id)."""
+    return code_of(error) in _FENCED_CODES
+
+
+def outcome_unknown(error: KafkaError | KafkaException | int) -> bool:
+    """True when the failed request may still have been applied (timeout, connection lost mid-request)."""
+    return code_of(error) in _OUTCOME_UNKNOWN_CODES
+
+
 def code_of(error: KafkaError | KafkaException | int) -> int | None:
     """The numeric Kafka error code, or None for an exception that carries none."""
     err = _unwrap(error)

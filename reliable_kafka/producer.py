@@ -211,7 +211,7 @@ class ReliableProducer:
         if not batch:
             return []
         ids = new_ids(len(batch))
-        rows = [self._prepare(m, i) for m, i in zip(batch, ids)]
+        rows = [self._prepare(m, i) for m, i in zip(batch, ids, strict=True)]
         for topic in {r.topic for r in rows} - self._checked_topics - self._deferred_topics.keys():
             self._preflight(topic)
         with self._send_lock:
@@ -219,7 +219,7 @@ class ReliableProducer:
             self._last_seq = seqs[-1]
             errors = self._dispatch_new(rows, seqs)
         self._counts["sent"] += len(rows)
-        return [Sent(r.message_id, s, errors.get(s)) for r, s in zip(rows, seqs)]
+        return [Sent(r.message_id, s, errors.get(s)) for r, s in zip(rows, seqs, strict=True)]
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until every accepted message is delivered or failed; returns how many are still pending."""
@@ -261,6 +261,19 @@ class ReliableProducer:
                             remaining)
         self._spool.close()
         return remaining
+
+    def check_topics(self, topics: Iterable[str]) -> None:
+        """Run the preflight for `topics` now (it otherwise runs on the first send to each topic).
+
+        Raises TopicConfigError (preflight="error") for a topic whose replication cannot keep acks=all
+        durable, and ClusterUnreachable when no broker answers.
+        """
+        for topic in topics:
+            durability = preflight(self._admin(), topic, mode=self._preflight_mode, timeout=10)
+            self._checked_topics.add(topic)
+            self._deferred_topics.pop(topic, None)
+            if durability is not None:
+                self._max_bytes[topic] = durability.max_message_bytes
 
     def state(self, sent: Sent) -> str:
         """"pending", "delivered" or "failed" for a message this producer accepted."""
@@ -394,7 +407,7 @@ class ReliableProducer:
         errors: dict[int, str] = {}
         if self._dispatched_upto != seqs[0] - 1 or self._redeliver or self._fatal is not None:
             return errors  # the poller hands them over from the spool, after the older ones
-        for row, seq in zip(rows, seqs):
+        for row, seq in zip(rows, seqs, strict=True):
             outcome = self._produce(row.topic, row.value, row.key, row.headers, row.partition, seq)
             if outcome is False:
                 return errors  # librdkafka's queue is full: the poller goes on from here
@@ -441,9 +454,9 @@ class ReliableProducer:
             for _ in range(len(self._redeliver)):
                 seq = self._redeliver[0]
                 r = self._spool.get(seq)
-                if r is not None and r.state == "pending":
-                    if self._produce(r.topic, r.value, r.key, r.headers, r.partition, seq) is False:
-                        return
+                if (r is not None and r.state == "pending"
+                        and self._produce(r.topic, r.value, r.key, r.headers, r.partition, seq) is False):
+                    return
                 self._redeliver.popleft()
             while self._dispatched_upto < self._last_seq:
                 rows = self._spool.pending(after_seq=self._dispatched_upto, limit=_DISPATCH_PAGE)

@@ -7,6 +7,9 @@ import logging
 import click
 
 from reliable_kafka.cli.cluster import cluster_group
+from reliable_kafka.cli.doctor import doctor
+from reliable_kafka.cli.lab import lab
+from reliable_kafka.cli.outbox import outbox_group
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -19,6 +22,9 @@ def cli(verbose: int) -> None:
 
 
 cli.add_command(cluster_group)
+cli.add_command(lab)
+cli.add_command(doctor)
+cli.add_command(outbox_group)
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console(stderr=False)
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 def fail(message: str, code: int = 1) -> None:

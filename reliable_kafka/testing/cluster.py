@@ -142,6 +142,9 @@ class LocalKafkaCluster:
 
     brokers: int = 3
     broker_config: Mapping[str, Any] = field(default_factory=dict)
+    # Nodes 1..controllers are combined broker+controller (the KRaft quorum); the rest are broker-only,
+    # so a scenario can take brokers away without touching the quorum. Default: min(brokers, 3).
+    controllers: int | None = None
     heap_mb: int = 384
     data_dir: str | os.PathLike[str] | None = None
     die_with_parent: bool = True
@@ -383,16 +386,20 @@ class LocalKafkaCluster:
         replication_factor: int | None = None,
         configs: Mapping[str, Any] | None = None,
         *,
+        assignment: list[list[int]] | None = None,
         timeout: float = 30.0,
     ) -> None:
-        """Create a topic and wait until every partition has a leader and a full ISR."""
-        rf = replication_factor if replication_factor is not None else min(3, self.brokers)
-        new = NewTopic(
-            name,
-            num_partitions=partitions,
-            replication_factor=rf,
-            config={k: _prop(v) for k, v in (configs or {}).items()},
-        )
+        """Create a topic and wait until every partition has a leader and a full ISR.
+
+        `assignment` places replicas by hand (one list of node ids per partition, preferred leader first).
+        """
+        config = {k: _prop(v) for k, v in (configs or {}).items()}
+        if assignment is not None:
+            partitions, rf = len(assignment), len(assignment[0])
+            new = NewTopic(name, replica_assignment=assignment, config=config)
+        else:
+            rf = replication_factor if replication_factor is not None else min(3, self.brokers)
+            new = NewTopic(name, num_partitions=partitions, replication_factor=rf, config=config)
         admin = self.admin()  # keep a reference: futures fail with _DESTROY if the client is collected
         futures = admin.create_topics([new], operation_timeout=timeout)
         try:
@@ -433,6 +440,7 @@ class LocalKafkaCluster:
         return {
             "cluster_id": self.cluster_id,
             "bootstrap_servers": self.bootstrap_servers,
+            "controllers": len(self._quorum()) if self.nodes else self.controllers,
             "data_dir": str(self.data_dir),
             "nodes": [
                 {
@@ -455,7 +463,8 @@ class LocalKafkaCluster:
     def attach(cls, path: str | os.PathLike[str]) -> LocalKafkaCluster:
         """Re-open a cluster started by another process from its state file (for `cluster stop|status`)."""
         state = json.loads(Path(path).read_text())
-        cluster = cls(brokers=len(state["nodes"]), data_dir=state["data_dir"], cluster_id=state["cluster_id"])
+        cluster = cls(brokers=len(state["nodes"]), data_dir=state["data_dir"], cluster_id=state["cluster_id"],
+                      die_with_parent=False, controllers=state.get("controllers"))
         for n in state["nodes"]:
             cluster.nodes[n["node_id"]] = KafkaNode(
                 n["node_id"], n["broker_port"], n["controller_port"], Path(n["directory"]), pid=n["pid"],
@@ -472,15 +481,23 @@ class LocalKafkaCluster:
         except KeyError:
             raise ClusterError(f"no node {node_id}; nodes are {self.node_ids}") from None
 
+    def _quorum(self) -> list[KafkaNode]:
+        n = self.controllers if self.controllers is not None else min(3, self.brokers)
+        return [self.nodes[i] for i in sorted(self.nodes)[:n]]
+
     def _server_properties(self, node: KafkaNode) -> str:
         internal_rf = min(3, self.brokers)
+        voter = node in self._quorum()
+        listeners = f"PLAINTEXT://127.0.0.1:{node.broker_port}"
+        if voter:
+            listeners += f",CONTROLLER://127.0.0.1:{node.controller_port}"
         settings: dict[str, Any] = {
-            "process.roles": "broker,controller",
+            "process.roles": "broker,controller" if voter else "broker",
             "node.id": node.node_id,
             "controller.quorum.voters": ",".join(
-                f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes.values()
+                f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self._quorum()
             ),
-            "listeners": f"PLAINTEXT://127.0.0.1:{node.broker_port},CONTROLLER://127.0.0.1:{node.controller_port}",
+            "listeners": listeners,
             "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.broker_port}",
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": "PLAINTEXT",

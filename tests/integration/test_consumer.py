@@ -23,7 +23,7 @@ from reliable_kafka.testing import LocalKafkaCluster, consume_all
 
 pytestmark = pytest.mark.cluster
 
-CHILD = [sys.executable, "-m", "tests.integration.programs.consumer_child"]
+CHILD = [sys.executable, "-m", "reliable_kafka.lab.programs.consumer_proc"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -97,7 +97,7 @@ def test_consumer_sigkilled_ten_times_handles_everything_while_autocommit_skips(
     ours_ledger = tmp_path / "ours.ledger"
     kills = _kill_loop("reliable", kafka, topic, ours_ledger, kills=10, seed=3, sleep_ms=0.05)
     assert kills == 10
-    handled = Counter(ours_ledger.read_text().split())
+    handled = Counter(line.split("\t")[0] for line in ours_ledger.read_text().splitlines())
     gaps = set(values) - handled.keys()
     duplicates = sum(n - 1 for n in handled.values())
     assert not gaps, f"{len(gaps)} messages never handled, e.g. {sorted(gaps)[:5]}"
@@ -108,7 +108,7 @@ def test_consumer_sigkilled_ten_times_handles_everything_while_autocommit_skips(
     control_values = fill(kafka.bootstrap_servers, control_topic, 20_000)
     control_ledger = tmp_path / "control.ledger"
     c_kills = _kill_loop("control", kafka, control_topic, control_ledger, kills=4, seed=4, sleep_ms=1.0)
-    control_gaps = set(control_values) - set(control_ledger.read_text().split())
+    control_gaps = set(control_values) - {line.split("\t")[0] for line in control_ledger.read_text().splitlines()}
     assert c_kills == 4
     assert len(control_gaps) > 0, "the auto-commit control skipped nothing: the fault did not bite"
 
@@ -144,7 +144,7 @@ def test_rebalance_storm_of_joins_kills_and_clean_stops_leaves_no_gaps(kafka, ma
             if m.poll() is None:
                 m.kill()
                 m.wait()
-    handled = set(ledger.read_text().split())
+    handled = {line.split("\t")[0] for line in ledger.read_text().splitlines()}
     gaps = set(values) - handled
     assert not gaps, f"{len(gaps)} messages never handled"
 

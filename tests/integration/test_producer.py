@@ -24,7 +24,7 @@ from reliable_kafka.testing.verify import verdict
 
 pytestmark = pytest.mark.cluster
 
-CHILD = [sys.executable, "-m", "tests.integration.programs.producer_child"]
+CHILD = [sys.executable, "-m", "reliable_kafka.lab.programs.producer_proc"]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,6 +1,6 @@
 """A consumer process that the crash and rebalance tests SIGKILL or SIGTERM.
 
-It appends each value it finished handling to a ledger file (one line, flushed), so the ledger
+It appends each value it finished handling, with its rk-id, to a ledger file (one line, flushed), so the ledger
 is exactly what was processed when it died. It exits by itself after `--idle` seconds without
 records. SIGTERM asks the consumer to stop gracefully.
 """
@@ -15,6 +15,7 @@ import time
 from confluent_kafka import Consumer
 
 from reliable_kafka.consumer import ReliableConsumer
+from reliable_kafka.ids import message_id_of
 
 
 def main() -> int:
@@ -37,10 +38,10 @@ def main() -> int:
         conf["group.instance.id"] = args.instance_id
     last_record = [time.monotonic()]
 
-    def handle(value: bytes) -> None:
+    def handle(value: bytes | None, headers: object) -> None:
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1000)
-        ledger.write(value.decode() + "\n")
+        ledger.write(f"{(value or b'').decode()}\t{message_id_of(headers) or ''}\n")  # type: ignore[arg-type]
         last_record[0] = time.monotonic()
 
     if args.mode == "control":
@@ -51,7 +52,7 @@ def main() -> int:
         while time.monotonic() - last_record[0] < args.idle:
             for msg in control.consume(num_messages=500, timeout=0.5):
                 if msg.error() is None:
-                    handle(msg.value())
+                    handle(msg.value(), msg.headers())
         control.close()
         return 0
 
@@ -65,7 +66,7 @@ def main() -> int:
         consumer.stop()
 
     threading.Thread(target=idle_watch, daemon=True).start()
-    consumer.run(lambda msg: handle(msg.value()))
+    consumer.run(lambda msg: handle(msg.value(), msg.headers()))
     consumer.close()
     return 0
 

@@ -8,7 +8,6 @@ what the application believed was safe when it died.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from confluent_kafka import Producer

@@ -1,0 +1,100 @@
+"""Shared pieces of lab scenarios: unique topics, the bare control producer, the independent reader
+and the counting of what was lost and duplicated (before and after dedup by rk-id)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Producer
+
+from reliable_kafka.ids import message_id_of
+from reliable_kafka.lab.base import CONTROL, RELIABLE, ScenarioResult
+from reliable_kafka.testing.cluster import LocalKafkaCluster, consume_all
+from reliable_kafka.testing.verify import verdict
+
+
+def topic_name(scenario: str, client: str) -> str:
+    return f"lab-{scenario}-{client}-{uuid.uuid4().hex[:6]}"
+
+
+def bare_produce(bootstrap: str, topic: str, values: Sequence[bytes], **conf: Any) -> list[bytes]:
+    """The control client: plain confluent-kafka; returns the values whose delivery report said success."""
+    acked: list[bytes] = []
+
+    def on_delivery(err: Any, msg: Any) -> None:
+        if err is None:
+            acked.append(msg.value())
+
+    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, **conf})
+    for v in values:
+        while True:
+            try:
+                p.produce(topic, v, on_delivery=on_delivery)
+                break
+            except BufferError:
+                p.poll(0.05)
+        p.poll(0)
+    p.flush(60)
+    return acked
+
+
+def count(
+    name: str, client: str, acked: Iterable[bytes], bootstrap: str, topic: str, started: float, detail: str = ""
+) -> ScenarioResult:
+    """Read the topic back with an independent read_committed reader and count."""
+    msgs = list(consume_all(bootstrap, topic))
+    return result_from(name, client, acked, [(m.value(), message_id_of(m.headers())) for m in msgs], started,
+                       detail)
+
+
+def result_from(
+    name: str, client: str, acked: Iterable[bytes], seen: Sequence[tuple[bytes, str | None]], started: float,
+    detail: str = "",
+) -> ScenarioResult:
+    """Count from (value, rk-id) pairs that were read or handled.
+
+    duplicates_after_dedup is what is left once repeated rk-ids are dropped, as a dedup store keyed
+    by rk-id would; records without an rk-id (the control's) cannot be deduplicated that way.
+    """
+    v = verdict(acked, [value for value, _ in seen])
+    by_value: Counter[bytes] = Counter()
+    seen_ids: set[str] = set()
+    for value, mid in seen:
+        if mid is not None:
+            if mid in seen_ids:
+                continue
+            seen_ids.add(mid)
+        by_value[value] += 1
+    after = sum(n - 1 for n in by_value.values() if n > 1)
+    return ScenarioResult(
+        name=name, client=client, acked=v.acked, consumed_unique=v.consumed_unique, lost=v.lost,
+        duplicates=v.duplicates, duplicates_after_dedup=after, seconds=time.monotonic() - started, detail=detail,
+    )
+
+
+def run_program(module: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
+    """Start one of reliable_kafka.lab.programs as a child process (only it is ever signalled)."""
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def ledger_entries(path: Path) -> list[tuple[bytes, str | None]]:
+    """(value, rk-id) per line of a consumer program's ledger ("value<TAB>rk-id")."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        value, _, mid = line.partition("\t")
+        out.append((value.encode(), mid or None))
+    return out
+
+
+__all__ = ["CONTROL", "RELIABLE", "LocalKafkaCluster", "bare_produce", "count", "result_from", "run_program",
+           "topic_name", "ledger_entries"]
