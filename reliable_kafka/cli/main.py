@@ -6,6 +6,7 @@ import logging
 
 import click
 
+from reliable_kafka.cli.bench import bench
 from reliable_kafka.cli.cluster import cluster_group
 from reliable_kafka.cli.doctor import doctor
 from reliable_kafka.cli.lab import lab
@@ -24,6 +25,7 @@ def cli(verbose: int) -> None:
 cli.add_command(cluster_group)
 cli.add_command(lab)
 cli.add_command(doctor)
+cli.add_command(bench)
 cli.add_command(outbox_group)
 
 

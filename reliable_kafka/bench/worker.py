@@ -1,0 +1,156 @@
+"""One benchmark variant in a process of its own; prints {"msgs_per_s", "peak_rss_mb", ...} as JSON.
+
+Each variant runs alone so that its CPU time and peak RSS are not mixed with another variant's.
+The clock runs from the first message to the last confirmation (delivery report or handled record).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from confluent_kafka import Consumer, Producer
+
+from reliable_kafka.bench.common import peak_rss_mb
+from reliable_kafka.ids import ID_HEADER, new_ids
+
+VALUE = b"x" * 100
+BATCH = 1_000
+
+
+def produce_raw(bootstrap: str, topic: str, n: int, with_ids: bool = False) -> float:
+    """Baseline: bare confluent-kafka with acks=all + idempotence, the usual poll(0) loop.
+
+    `with_ids` adds an rk-id header (filling a topic for the dedup benchmark).
+    """
+    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 5})
+    delivered = [0]
+
+    def on_delivery(err: Any, _msg: Any) -> None:
+        if err is None:
+            delivered[0] += 1
+
+    ids = new_ids(n) if with_ids else None
+    start = time.perf_counter()
+    for i in range(n):
+        headers = [(ID_HEADER, ids[i].encode())] if ids is not None else None
+        while True:
+            try:
+                p.produce(topic, VALUE, on_delivery=on_delivery, headers=headers)
+                break
+            except BufferError:
+                p.poll(0.01)
+        p.poll(0)
+    p.flush(300)
+    took = time.perf_counter() - start
+    assert delivered[0] == n, f"raw producer delivered {delivered[0]} of {n}"
+    return took
+
+
+def produce_reliable(bootstrap: str, topic: str, n: int, durability: str) -> float:
+    from reliable_kafka.producer import ReliableProducer
+
+    with tempfile.TemporaryDirectory() as d:
+        kw: dict[str, Any] = {} if durability == "memory" else {"outbox_path": os.path.join(d, "bench.db")}
+        p = ReliableProducer({"bootstrap.servers": bootstrap}, durability=durability, **kw)
+        p.check_topics([topic])
+        batch = [(topic, VALUE)] * BATCH
+        start = time.perf_counter()
+        for i in range(0, n, BATCH):
+            p.send_many(batch[: min(BATCH, n - i)])
+        left = p.flush(300)
+        took = time.perf_counter() - start
+        p.close()
+        assert left == 0, f"{left} messages undelivered"
+    return took
+
+
+def consume_raw(bootstrap: str, topic: str, n: int) -> float:
+    """Baseline: bare confluent-kafka poll loop with auto-commit."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-raw-{time.time_ns()}",
+                  "auto.offset.reset": "earliest", "enable.auto.commit": True})
+    c.subscribe([topic])
+    got = 0
+    start = None
+    while got < n:
+        msgs = c.consume(num_messages=500, timeout=1.0)
+        if msgs and start is None:
+            start = time.perf_counter()
+        got += sum(1 for m in msgs if m.error() is None)
+    took = time.perf_counter() - (start or time.perf_counter())
+    c.close()
+    return took
+
+
+def consume_reliable(bootstrap: str, topic: str, n: int, dedup: str | None, redis_url: str | None) -> float:
+    from reliable_kafka.consumer import ReliableConsumer
+
+    store: Any = None
+    tmp = tempfile.TemporaryDirectory()
+    if dedup == "sqlite":
+        from reliable_kafka.dedup import SQLiteDedupStore
+
+        store = SQLiteDedupStore(os.path.join(tmp.name, "dedup.db"))
+    elif dedup == "redis":
+        from reliable_kafka.dedup.redis import RedisDedupStore
+
+        assert redis_url, "the redis variant needs --redis-url"
+        store = RedisDedupStore(redis_url, prefix=f"bench:{time.time_ns()}:")
+    consumer = ReliableConsumer({"bootstrap.servers": bootstrap, "group.id": f"bench-rk-{time.time_ns()}"},
+                                [topic], dedup=store)
+    handled = [0]
+    first: list[float] = []
+
+    def handler(_msg: Any) -> None:
+        if not first:
+            first.append(time.perf_counter())
+        handled[0] += 1
+        if handled[0] >= n:
+            consumer.stop()
+
+    consumer.run(handler)
+    took = time.perf_counter() - first[0]
+    consumer.close()
+    if store is not None:
+        store.close()
+    tmp.cleanup()
+    return took
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("bench")
+    ap.add_argument("variant")
+    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--topic", required=True)
+    ap.add_argument("--messages", type=int, required=True)
+    ap.add_argument("--redis-url")
+    a = ap.parse_args()
+    runs: dict[tuple[str, str], Callable[[], float]] = {
+        ("producer", "raw"): lambda: produce_raw(a.bootstrap, a.topic, a.messages),
+        ("producer", "fill"): lambda: produce_raw(a.bootstrap, a.topic, a.messages, with_ids=True),
+        ("consumer", "raw"): lambda: consume_raw(a.bootstrap, a.topic, a.messages),
+        ("consumer", "reliable_consumer"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, None, None),
+        ("dedup", "none"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, None, None),
+        ("dedup", "sqlite"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, "sqlite", None),
+        ("dedup", "redis"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, "redis", a.redis_url),
+    }
+    for durability in ("memory", "process", "fsync"):
+        runs[("producer", durability)] = lambda d=durability: produce_reliable(a.bootstrap, a.topic, a.messages, d)
+    rss_before = peak_rss_mb()
+    took = runs[(a.bench, a.variant)]()
+    print(json.dumps({"msgs_per_s": a.messages / took, "seconds": took, "peak_rss_mb": peak_rss_mb(),
+                      "rss_before_mb": rss_before}))
+    # A lingering librdkafka thread must not keep the benchmark waiting.
+    threading.Event().wait(0.1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""`reliable-kafka bench`: what the guarantees cost, as ratios against a baseline in the same run.
+
+Starts (and stops) a local real cluster unless --bootstrap-servers is given; writes a table,
+optional JSON (`{"benchmarks": [...]}`) and an optional PNG of each ratio against its target.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import click
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from reliable_kafka.admin import admin_client
+from reliable_kafka.bench.common import TARGETS, BenchRow
+from reliable_kafka.bench.suites import consumer_bench, dedup_bench, producer_bench
+from reliable_kafka.cli.output import check_writable, console, emit_json, fail, table
+from reliable_kafka.errors import ClusterError, ReliableKafkaError
+from reliable_kafka.testing.cluster import LocalKafkaCluster
+
+log = logging.getLogger(__name__)
+
+BENCHES = ("producer", "consumer", "eos", "dedup", "spark")
+
+
+def _create_topic_fn(bootstrap: str) -> Callable[[str, int], None]:
+    from confluent_kafka.admin import NewTopic
+
+    admin = admin_client(bootstrap)
+
+    def create(name: str, partitions: int) -> None:
+        admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=3,
+                                      config={"min.insync.replicas": "2"})])[name].result(timeout=60)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            t = admin.list_topics(name, timeout=5).topics.get(name)
+            if t is not None and t.error is None and all(p.leader >= 0 for p in t.partitions.values()):
+                return
+            time.sleep(0.2)
+
+    return create
+
+
+def _external(module: str, function: str, *args: Any) -> list[BenchRow]:
+    """The eos and spark suites return plain dict rows; they need optional parts."""
+    fn = getattr(importlib.import_module(module), function)
+    return [BenchRow(**{k: r[k] for k in BenchRow.__dataclass_fields__}) for r in fn(*args)]
+
+
+def plot(rows: list[BenchRow], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if r.variant != r.baseline]
+    labels = [f"{r.name}\n{r.variant}" for r in shown]
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shown)), 4.5))
+    colors = ["tab:green" if r.ratio_vs_baseline >= TARGETS.get((r.name, r.variant), 0) else "tab:red"
+              for r in shown]
+    ax.bar(range(len(shown)), [r.ratio_vs_baseline for r in shown], color=colors)
+    for i, r in enumerate(shown):
+        target = TARGETS.get((r.name, r.variant))
+        if target is not None:
+            ax.hlines(target, i - 0.4, i + 0.4, colors="black", linestyles="dashed")
+        ax.text(i, r.ratio_vs_baseline + 0.02, f"{r.ratio_vs_baseline:.2f}×", ha="center", fontsize=8)
+    ax.set_xticks(range(len(shown)), labels, fontsize=8)
+    ax.set_ylabel("throughput vs baseline (same run)")
+    ax.set_title("reliable-kafka benchmarks (dashed: target)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@click.command("bench")
+@click.argument("which", type=click.Choice([*BENCHES, "all"]), default="all")
+@click.option("--messages", type=click.IntRange(min=1000), default=None,
+              help="Messages per variant (default: 1,000,000; spark rows: the same).")
+@click.option("--bootstrap-servers", default=None, help="Benchmark against these brokers instead of a local cluster.")
+@click.option("--repeat", type=click.IntRange(1, 5), default=1, show_default=True,
+              help="Run each variant N times and keep its best run.")
+@click.option("--json", "json_path", default=None, metavar="PATH")
+@click.option("--plot", "plot_path", default=None, metavar="PATH", help="Write a PNG chart of the ratios.")
+def bench(which: str, messages: int | None, bootstrap_servers: str | None, repeat: int, json_path: str | None,
+          plot_path: str | None) -> None:
+    """Measure producer, consumer, eos, dedup and spark variants against their baselines."""
+    check_writable(json_path)
+    check_writable(plot_path)
+    n = messages or 1_000_000
+    chosen = list(BENCHES) if which == "all" else [which]
+    cluster = None
+    if bootstrap_servers is None:
+        cluster = LocalKafkaCluster(brokers=3)
+        console.print("starting a local Kafka cluster (3 nodes)...")
+        try:
+            cluster.start()
+            cluster.wait_healthy()
+        except ClusterError as exc:
+            fail(str(exc))
+        bootstrap_servers = cluster.bootstrap_servers
+    else:
+        try:
+            admin_client(bootstrap_servers).list_topics(timeout=10)
+        except Exception as exc:
+            fail(f"brokers at {bootstrap_servers} are unreachable: {exc}")
+    rows: list[BenchRow] = []
+    create = _create_topic_fn(bootstrap_servers)
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                      console=console) as bar:
+            task = bar.add_task("benchmarks", total=None)
+
+            def progress(step: str) -> None:
+                bar.update(task, description=step)
+
+            for b in chosen:
+                try:
+                    if b == "producer":
+                        rows += producer_bench(bootstrap_servers, create, n, progress, repeat)
+                    elif b == "consumer":
+                        rows += consumer_bench(bootstrap_servers, create, n, progress, repeat)
+                    elif b == "dedup":
+                        rows += dedup_bench(bootstrap_servers, create, n, progress, repeat)
+                    elif b == "eos":
+                        progress("eos")
+                        rows += _external("reliable_kafka.bench.eos", "run_eos_bench", bootstrap_servers, n, create)
+                    elif b == "spark":
+                        progress("spark")
+                        rows += _external("reliable_kafka.bench.spark", "run_spark_bench", bootstrap_servers, n,
+                                          create)
+                except (ReliableKafkaError, RuntimeError, ModuleNotFoundError) as exc:
+                    log.error("benchmark %s failed: %s", b, exc)
+                    console.print(f"[red]benchmark {b} failed:[/] {exc}")
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    table("benchmarks (ratios against a baseline in the same run, same brokers)",
+          ["benchmark", "variant", "messages", "msgs/s", "baseline", "ratio", "target", "peak RSS MB"],
+          [[r.name, r.variant, r.messages, f"{r.msgs_per_s:,.0f}", r.baseline, f"{r.ratio_vs_baseline:.2f}",
+            "" if (r.name, r.variant) not in TARGETS else f"≥ {TARGETS[(r.name, r.variant)]}",
+            f"{r.peak_rss_mb:.0f}"] for r in rows])
+    if json_path is not None:
+        emit_json({"benchmarks": [r.as_json() for r in rows]}, json_path)
+    if plot_path is not None and rows:
+        plot(rows, plot_path)
+    if not rows:
+        fail("no benchmark produced a result")
