@@ -7,6 +7,7 @@ The clock runs from the first message to the last confirmation (delivery report 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import tempfile
@@ -39,7 +40,9 @@ def produce_raw(bootstrap: str, topic: str, n: int, with_ids: bool = False) -> f
     ids = new_ids(n) if with_ids else None
     start = time.perf_counter()
     for i in range(n):
-        headers = [(ID_HEADER, ids[i].encode())] if ids is not None else None
+        headers: list[tuple[str, str | bytes | None]] | None = (
+            [(ID_HEADER, ids[i].encode())] if ids is not None else None
+        )
         while True:
             try:
                 p.produce(topic, VALUE, on_delivery=on_delivery, headers=headers)
@@ -142,7 +145,8 @@ def main() -> None:
         ("dedup", "redis"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, "redis", a.redis_url),
     }
     for durability in ("memory", "process", "fsync"):
-        runs[("producer", durability)] = lambda d=durability: produce_reliable(a.bootstrap, a.topic, a.messages, d)
+        runs[("producer", durability)] = functools.partial(produce_reliable, a.bootstrap, a.topic, a.messages,
+                                                           durability)
     rss_before = peak_rss_mb()
     took = runs[(a.bench, a.variant)]()
     print(json.dumps({"msgs_per_s": a.messages / took, "seconds": took, "peak_rss_mb": peak_rss_mb(),
