@@ -88,7 +88,8 @@ def _to_bytes(what: str, value: Any, serializer: Serializer | None) -> bytes | N
 
 def _record_size(value: bytes | None, key: bytes | None, headers: Sequence[tuple[str, bytes]]) -> int:
     """A record's size in a batch of one: payload plus the v2 batch and record overhead (about 80 bytes)."""
-    return 80 + len(value or b"") + len(key or b"") + sum(len(k) + len(v) + 4 for k, v in headers)
+    # + the rk-id header (5 + 36 bytes) that every record carries
+    return 125 + len(value or b"") + len(key or b"") + sum(len(k) + len(v) + 4 for k, v in headers)
 
 
 def _headers(headers: Headers) -> list[tuple[str, bytes]]:
@@ -207,7 +208,7 @@ class ReliableProducer:
         """
         if self._closed:
             raise ProducerClosed("send after close(): create a new ReliableProducer")
-        batch = [m if isinstance(m, Message) else Message(*m) for m in messages]
+        batch = messages if isinstance(messages, list) else list(messages)
         if not batch:
             return []
         ids = new_ids(len(batch))
@@ -323,22 +324,24 @@ class ReliableProducer:
 
     # ---- accepting -----------------------------------------------------------------------
 
-    def _prepare(self, m: Message, fresh_id: str) -> NewMessage:
+    def _prepare(self, m: Message | tuple[str, Any], fresh_id: str) -> NewMessage:
+        """Validate and serialize one message. The rk-id is kept as message_id, not as a stored header:
+        it is added when the message is handed to librdkafka."""
+        if type(m) is tuple and len(m) == 2 and type(m[0]) is str and m[0] and type(m[1]) is bytes:
+            return NewMessage(fresh_id, m[0], m[1])  # the hot path: (topic, bytes)
+        if not isinstance(m, Message):
+            m = Message(*m)
         if not isinstance(m.topic, str) or not m.topic:
             raise ConfigError("topic", f"must be a non-empty str, got {m.topic!r}")
         value = m.value if type(m.value) is bytes else _to_bytes("value", m.value, self._value_serializer)
         key = m.key if m.key is None or type(m.key) is bytes else _to_bytes("key", m.key, self._key_serializer)
-        message_id = m.message_id
-        if not m.headers:
-            message_id = message_id or fresh_id
-            return NewMessage(message_id, m.topic, value, key, ((ID_HEADER, message_id.encode()),), m.partition)
         headers = _headers(m.headers)
+        message_id = m.message_id
         if message_id is None:
             # A caller-supplied rk-id header is the caller's idempotency key: keep it.
             message_id = next((v.decode() for k, v in reversed(headers) if k == ID_HEADER), fresh_id)
-        headers = [h for h in headers if h[0] != ID_HEADER]
-        headers.append((ID_HEADER, message_id.encode()))
-        return NewMessage(message_id, m.topic, value, key, tuple(headers), m.partition)
+        user_headers = tuple(h for h in headers if h[0] != ID_HEADER)
+        return NewMessage(message_id, m.topic, value, key, user_headers, m.partition)
 
     def _preflight(self, topic: str, *, deferred: bool = False) -> None:
         try:
@@ -407,30 +410,32 @@ class ReliableProducer:
         errors: dict[int, str] = {}
         if self._dispatched_upto != seqs[0] - 1 or self._redeliver or self._fatal is not None:
             return errors  # the poller hands them over from the spool, after the older ones
+        produce = self._produce
         for row, seq in zip(rows, seqs, strict=True):
-            outcome = self._produce(row.topic, row.value, row.key, row.headers, row.partition, seq)
+            outcome = produce(row, seq)
             if outcome is False:
                 return errors  # librdkafka's queue is full: the poller goes on from here
-            if isinstance(outcome, str):
+            if outcome is not True:
                 errors[seq] = outcome
             self._dispatched_upto = seq
         return errors
 
-    def _produce(
-        self, topic: str, value: bytes | None, key: bytes | None, headers: Sequence[tuple[str, bytes]],
-        partition: int | None, seq: int,
-    ) -> bool | str:
+    def _produce(self, row: NewMessage | OutboxRow, seq: int) -> bool | str:
         """True when librdkafka took it, False when its queue is full, a reason when refused for good."""
-        oversized = self._too_large(topic, value, key, headers)
-        if oversized is not None:
-            self._fail(seq, oversized)
-            return oversized
+        topic, value, key = row.topic, row.value, row.key
+        limit = self._max_bytes.get(topic)
+        if limit is not None and len(value or b"") + len(key or b"") + 4096 > limit:
+            oversized = self._too_large(topic, value, key, row.headers)
+            if oversized is not None:
+                self._fail(seq, oversized)
+                return oversized
+        headers: list[tuple[str, str | bytes | None]] = [(ID_HEADER, row.message_id.encode()), *row.headers]
         callback = functools.partial(self._on_delivery, seq, self._generation, topic)
         try:
-            if partition is None:
-                self._producer.produce(topic, value, key, on_delivery=callback, headers=list(headers))
+            if row.partition is None:
+                self._producer.produce(topic, value, key, on_delivery=callback, headers=headers)
             else:
-                self._producer.produce(topic, value, key, partition, on_delivery=callback, headers=list(headers))
+                self._producer.produce(topic, value, key, row.partition, on_delivery=callback, headers=headers)
             return True
         except BufferError:
             return False
@@ -454,8 +459,7 @@ class ReliableProducer:
             for _ in range(len(self._redeliver)):
                 seq = self._redeliver[0]
                 r = self._spool.get(seq)
-                if (r is not None and r.state == "pending"
-                        and self._produce(r.topic, r.value, r.key, r.headers, r.partition, seq) is False):
+                if r is not None and r.state == "pending" and self._produce(r, seq) is False:
                     return
                 self._redeliver.popleft()
             while self._dispatched_upto < self._last_seq:
@@ -464,7 +468,7 @@ class ReliableProducer:
                     self._dispatched_upto = self._last_seq
                     return
                 for r in rows:
-                    if self._produce(r.topic, r.value, r.key, r.headers, r.partition, r.seq) is False:
+                    if self._produce(r, r.seq) is False:
                         return
                     self._dispatched_upto = r.seq
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from reliable_kafka.errors import OutboxFull
 from reliable_kafka.outbox import NewMessage, OutboxRow, OutboxStats
@@ -32,14 +32,25 @@ class Spool(Protocol):
 
 
 class MemorySpool:
-    """Pending messages in a dict, in sequence order (durability mode `memory`)."""
+    """Pending messages in a dict, in sequence order (durability mode `memory`).
+
+    Messages are kept as given (no per-message copy on the hot path); rows are built only when
+    someone asks for them (re-sends, inspection).
+    """
 
     def __init__(self, max_messages: int = 1_000_000) -> None:
         self.max_messages = max_messages
-        self._rows: dict[int, OutboxRow] = {}  # insertion order == seq order
+        self._rows: dict[int, tuple[NewMessage, int]] = {}  # seq -> (message, created_ms); seq order
+        self._attempts: dict[int, tuple[int, str]] = {}
         self._failed: dict[int, OutboxRow] = {}
         self._next_seq = 1
         self._cond = threading.Condition()
+
+    def _row(self, seq: int, state: str = "pending", error: str | None = None) -> OutboxRow:
+        m, created = self._rows[seq]
+        attempts, last = self._attempts.get(seq, (0, None))
+        return OutboxRow(seq, m.message_id, m.topic, m.key, m.value, m.headers, m.partition, state,
+                         attempts, error if error is not None else last, created)
 
     def append(self, messages: Sequence[NewMessage], *, timeout: float = 30.0) -> list[int]:
         n = len(messages)
@@ -56,33 +67,32 @@ class MemorySpool:
                         f"waiting {timeout:.1f}s; is the cluster reachable?"
                     )
                 self._cond.wait(left)
-            seqs = []
-            for m in messages:
-                seq = self._next_seq
-                self._next_seq += 1
-                self._rows[seq] = OutboxRow(
-                    seq, m.message_id, m.topic, m.key, m.value, m.headers, m.partition, "pending", 0, None, now_ms
-                )
-                seqs.append(seq)
-            return seqs
+            first = self._next_seq
+            self._next_seq += n
+            rows = self._rows
+            for seq, m in zip(range(first, first + n), messages, strict=True):
+                rows[seq] = (m, now_ms)
+            return list(range(first, first + n))
 
     def pending(self, *, after_seq: int = 0, limit: int | None = None) -> list[OutboxRow]:
         with self._cond:
             out = []
-            for seq, row in self._rows.items():
+            for seq in self._rows:
                 if seq > after_seq:
-                    out.append(row)
+                    out.append(self._row(seq))
                     if limit is not None and len(out) >= limit:
                         break
             return out
 
     def get(self, seq: int) -> OutboxRow | None:
         with self._cond:
-            return self._rows.get(seq) or self._failed.get(seq)
+            if seq in self._rows:
+                return self._row(seq)
+            return self._failed.get(seq)
 
     def purge(self, *, state: str = "failed", seqs: Iterable[int] | None = None) -> int:
         with self._cond:
-            table = self._failed if state == "failed" else self._rows
+            table: dict[int, Any] = self._failed if state == "failed" else self._rows
             chosen = list(table) if seqs is None else [s for s in seqs if s in table]
             for seq in chosen:
                 del table[seq]
@@ -90,30 +100,29 @@ class MemorySpool:
             return len(chosen)
 
     def mark_delivered(self, seqs: Iterable[int]) -> None:
+        rows, attempts = self._rows, self._attempts
         with self._cond:
             for seq in seqs:
-                self._rows.pop(seq, None)
+                rows.pop(seq, None)
+                if attempts:
+                    attempts.pop(seq, None)
             self._cond.notify_all()
 
     def mark_failed(self, seq: int, reason: str) -> None:
         with self._cond:
-            row = self._rows.pop(seq, None)
-            if row is not None:
-                self._failed[seq] = OutboxRow(
-                    row.seq, row.message_id, row.topic, row.key, row.value, row.headers, row.partition,
-                    "failed", row.attempts + 1, reason, row.created_ms,
-                )
+            if seq in self._rows:
+                m, created = self._rows.pop(seq)
+                attempts = self._attempts.get(seq, (0, None))[0] + 1
+                self._failed[seq] = OutboxRow(seq, m.message_id, m.topic, m.key, m.value, m.headers, m.partition,
+                                              "failed", attempts, reason, created)
+                self._attempts.pop(seq, None)
             self._cond.notify_all()
 
     def record_attempt(self, seqs: Iterable[int], error: str) -> None:
         with self._cond:
             for seq in seqs:
-                row = self._rows.get(seq)
-                if row is not None:
-                    self._rows[seq] = OutboxRow(
-                        row.seq, row.message_id, row.topic, row.key, row.value, row.headers, row.partition,
-                        row.state, row.attempts + 1, error, row.created_ms,
-                    )
+                if seq in self._rows:
+                    self._attempts[seq] = (self._attempts.get(seq, (0, None))[0] + 1, error)
 
     def failed(self, limit: int | None = None) -> list[OutboxRow]:
         with self._cond:
@@ -123,7 +132,7 @@ class MemorySpool:
     def stats(self) -> OutboxStats:
         with self._cond:
             oldest = next(iter(self._rows.values()), None)
-            age = (time.time_ns() // 1_000_000 - oldest.created_ms) / 1000 if oldest else None
+            age = (time.time_ns() // 1_000_000 - oldest[1]) / 1000 if oldest else None
             return OutboxStats(len(self._rows), len(self._failed), age, 0, self.max_messages)
 
     def close(self) -> None:

@@ -62,7 +62,7 @@ def lab(names: tuple[str, ...], bootstrap_servers: str | None, state_file: Path 
     check_writable(json_path)
     needs_five = any("5-node cluster" in s.needs for s in chosen)
     cluster, owned = _cluster_for(bootstrap_servers, state_file, 5 if needs_five else 3)
-    if needs_five and len(cluster.nodes) < 5:
+    if needs_five and max(len(cluster.nodes), cluster.brokers if owned else 0) < 5:
         fail("unclean-election needs 5 nodes (3 controllers + 2 broker-only): run the lab without "
              "--bootstrap-servers, or `reliable-kafka cluster start --brokers 5`")
     results: list[ScenarioResult] = []

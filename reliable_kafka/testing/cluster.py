@@ -153,6 +153,9 @@ class LocalKafkaCluster:
     _owns_data_dir: bool = field(default=False, init=False)
     _started: bool = field(default=False, init=False)
     _admin_cache: tuple[tuple[int, ...], AdminClient] | None = field(default=None, init=False, repr=False)
+    # Set for a cluster re-attached from a state file: every node (re)start is written back to it,
+    # so `reliable-kafka cluster stop` finds the new pids too.
+    state_path: Path | None = field(default=None, init=False)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -471,6 +474,7 @@ class LocalKafkaCluster:
                 paused=n["paused"],
             )
         cluster._started = True
+        cluster.state_path = Path(path)
         return cluster
 
     # ---- internals -------------------------------------------------------------------------
@@ -563,6 +567,8 @@ class LocalKafkaCluster:
         node.pid = node.proc.pid
         node.paused = False
         node.starts += 1
+        if self.state_path is not None:
+            self.save_state(self.state_path)
 
     def _signal(self, node: KafkaNode, sig: int) -> None:
         # Only the pid we started (or re-attached after checking its command line) is ever signalled.
