@@ -20,6 +20,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
+from reliable_kafka import telemetry
 from reliable_kafka.config import consumer_config
 from reliable_kafka.dedup.base import DedupStore
 from reliable_kafka.dlq import dead_letter_headers, dlq_topic_for
@@ -119,6 +120,8 @@ class ReliableConsumer:
         self._revoke_timeout_s = revoke_timeout_s
 
         self._tracker = OffsetTracker()
+        self._tracing = telemetry.tracing_enabled()
+        self._group = str(self._config["group.id"])
         self._stop = threading.Event()
         self._since_commit = 0
         self._last_commit = time.monotonic()
@@ -191,8 +194,10 @@ class ReliableConsumer:
                 raise KafkaException(failed[0].error)
             return tps
 
+        started = time.monotonic()
         try:
-            retry_kafka_call(attempt, deadline_s=self._commit_timeout_s, what="offset commit")
+            with telemetry.span("commit", **{"messaging.consumer.group.name": self._group}):
+                retry_kafka_call(attempt, deadline_s=self._commit_timeout_s, what="offset commit")
         except KafkaException as exc:
             disposition = classify(exc)
             if disposition is Disposition.REBALANCE:
@@ -204,6 +209,7 @@ class ReliableConsumer:
                 return {}
             raise CommitFailed(f"could not commit offsets {offsets} within {self._commit_timeout_s:.0f}s: "
                                f"{describe(exc)}") from exc
+        telemetry.commit_latency.record(time.monotonic() - started)
         self._tracker.mark_committed(offsets)
         self._counts["commits"] += 1
         return offsets
@@ -339,7 +345,11 @@ class ReliableConsumer:
         handler = self._handler
         label = f"{w.msg.topic()}[{w.msg.partition()}]@{w.msg.offset()}"
         try:
-            self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label)
+            if self._tracing:
+                with telemetry.process_span(w.msg, self._group):
+                    self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label)
+            else:
+                self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label)
         except RetryInterrupted:
             self._release(w)  # unfinished, not poison: it is delivered again after the restart
             return
@@ -378,6 +388,7 @@ class ReliableConsumer:
             self._hold_stuck(w, error, attempts)
             return
         self._counts["dead_lettered"] += 1
+        telemetry.dead_lettered.add(1)
         self._handled(w)
 
     def _hold_stuck(self, w: _Work, error: BaseException, attempts: int) -> None:

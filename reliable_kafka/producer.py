@@ -21,6 +21,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from reliable_kafka import telemetry
 from reliable_kafka.admin import admin_client, describe_topic, preflight
 from reliable_kafka.config import producer_config
 from reliable_kafka.errors import (
@@ -175,6 +176,8 @@ class ReliableProducer:
             stats = self._spool.stats()
             log.info("re-sending %d pending message(s) from %s", stats.pending, outbox_path)
             self._last_seq = self._max_pending_seq()
+        self._tracing = telemetry.tracing_enabled()
+        telemetry.register_producer(self)
         self._poller = threading.Thread(target=self._poll_loop, name="reliable-kafka-producer", daemon=True)
         self._poller.start()
 
@@ -220,6 +223,7 @@ class ReliableProducer:
             self._last_seq = seqs[-1]
             errors = self._dispatch_new(rows, seqs)
         self._counts["sent"] += len(rows)
+        telemetry.messages_sent.add(len(rows))
         return [Sent(r.message_id, s, errors.get(s)) for r, s in zip(rows, seqs, strict=True)]
 
     def flush(self, timeout: float | None = None) -> int:
@@ -244,6 +248,7 @@ class ReliableProducer:
         if self._closed:
             return 0
         self._closed = True
+        telemetry.unregister_producer(self)
         remaining = self.flush(timeout)
         self._stop.set()
         self._poller.join(timeout=10)
@@ -269,12 +274,17 @@ class ReliableProducer:
         Raises TopicConfigError (preflight="error") for a topic whose replication cannot keep acks=all
         durable, and ClusterUnreachable when no broker answers.
         """
+        admin = self._admin()
         for topic in topics:
-            durability = preflight(self._admin(), topic, mode=self._preflight_mode, timeout=10)
+            deadline = time.monotonic() + 10
+            # A topic created a moment ago may not be in every broker's metadata yet.
+            while (durability := preflight(admin, topic, mode=self._preflight_mode, timeout=10)) is None:
+                if time.monotonic() > deadline:
+                    raise TopicConfigError(topic, ["it does not exist (or has no leader yet)"])
+                time.sleep(0.2)
             self._checked_topics.add(topic)
             self._deferred_topics.pop(topic, None)
-            if durability is not None:
-                self._max_bytes[topic] = durability.max_message_bytes
+            self._max_bytes[topic] = durability.max_message_bytes
 
     def state(self, sent: Sent) -> str:
         """"pending", "delivered" or "failed" for a message this producer accepted."""
@@ -313,6 +323,11 @@ class ReliableProducer:
         return self._spool.stats().pending
 
     @property
+    def oldest_pending_age_s(self) -> float | None:
+        """Seconds since the oldest unconfirmed message was accepted (None when nothing is pending)."""
+        return self._spool.stats().oldest_pending_age_s
+
+    @property
     def counts(self) -> dict[str, int]:
         return dict(self._counts)
 
@@ -327,7 +342,8 @@ class ReliableProducer:
     def _prepare(self, m: Message | tuple[str, Any], fresh_id: str) -> NewMessage:
         """Validate and serialize one message. The rk-id is kept as message_id, not as a stored header:
         it is added when the message is handed to librdkafka."""
-        if type(m) is tuple and len(m) == 2 and type(m[0]) is str and m[0] and type(m[1]) is bytes:
+        if (type(m) is tuple and len(m) == 2 and type(m[0]) is str and m[0] and type(m[1]) is bytes
+                and not self._tracing):
             return NewMessage(fresh_id, m[0], m[1])  # the hot path: (topic, bytes)
         if not isinstance(m, Message):
             m = Message(*m)
@@ -340,8 +356,10 @@ class ReliableProducer:
         if message_id is None:
             # A caller-supplied rk-id header is the caller's idempotency key: keep it.
             message_id = next((v.decode() for k, v in reversed(headers) if k == ID_HEADER), fresh_id)
-        user_headers = tuple(h for h in headers if h[0] != ID_HEADER)
-        return NewMessage(message_id, m.topic, value, key, user_headers, m.partition)
+        user_headers = [h for h in headers if h[0] != ID_HEADER]
+        if self._tracing:
+            telemetry.publish_span(m.topic, message_id, user_headers)
+        return NewMessage(message_id, m.topic, value, key, tuple(user_headers), m.partition)
 
     def _preflight(self, topic: str, *, deferred: bool = False) -> None:
         try:
@@ -491,12 +509,14 @@ class ReliableProducer:
         else:
             # Unknown outcome (e.g. _MSG_TIMED_OUT): send again; the rk-id makes a duplicate recognisable.
             self._counts["retried"] += 1
+            telemetry.retries.add(1)
             self._spool.record_attempt([seq], describe(err))
             self._redeliver.append(seq)
 
     def _fail(self, seq: int, reason: str) -> None:
         self._spool.mark_failed(seq, reason)
         self._counts["failed"] += 1
+        telemetry.messages_failed.add(1)
         log.error("message seq %d refused by Kafka for good (%s); kept in the outbox as failed", seq, reason)
         if self._on_failed is not None:
             for row in self._spool.failed():
@@ -509,6 +529,7 @@ class ReliableProducer:
             done, self._delivered = self._delivered, []
             self._spool.mark_delivered(done)
             self._counts["delivered"] += len(done)
+            telemetry.messages_delivered.add(len(done))
             with self._settled:
                 self._settled.notify_all()
 

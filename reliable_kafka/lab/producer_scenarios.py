@@ -173,9 +173,9 @@ def unclean_election(cluster: LocalKafkaCluster, progress: Progress) -> list[Sce
             with tempfile.TemporaryDirectory() as d, _reliable(cluster, Path(d), name) as p:
                 try:
                     p.check_topics([topic + "-weak"])
-                    detail = "preflight did NOT refuse the weak topic"
+                    detail = "preflight did NOT refuse the weak topic; "
                 except TopicConfigError as exc:
-                    detail = f"preflight refused the weak topic ({'; '.join(exc.problems)[:80]}...); "
+                    detail = f"preflight refused the weak topic ({'; '.join(exc.problems)[:60]}...); "
             # ...and on a safe topic (min ISR 2, unclean off) the same fault loses nothing.
             cluster.create_topic(topic, configs={"min.insync.replicas": 2}, assignment=[[4, 5, 1]])
             detail += "same fault on min.insync.replicas=2"

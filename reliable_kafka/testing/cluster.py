@@ -399,7 +399,7 @@ class LocalKafkaCluster:
         config = {k: _prop(v) for k, v in (configs or {}).items()}
         if assignment is not None:
             partitions, rf = len(assignment), len(assignment[0])
-            new = NewTopic(name, replica_assignment=assignment, config=config)
+            new = NewTopic(name, num_partitions=partitions, replica_assignment=assignment, config=config)
         else:
             rf = replication_factor if replication_factor is not None else min(3, self.brokers)
             new = NewTopic(name, num_partitions=partitions, replication_factor=rf, config=config)
