@@ -133,3 +133,21 @@ class TransactionFailed(ReliableKafkaError):
     had not committed are processed again by whoever takes its partitions (or by its restart).
     The message carries the broker's or librdkafka's reason (e.g. an authorisation failure).
     """
+
+
+class PartitionWriteFailed(ReliableKafkaError):
+    """A Spark write task could not deliver (at_least_once) or commit (exactly_once) all of its rows.
+
+    The task fails so that Spark retries it: an at_least_once retry writes the partition again with the
+    same rk-ids (dedup drops the copies); an exactly_once retry resumes after its last committed chunk.
+    If every retry fails, fix the cause named in the message and run the job again with the same write id.
+    """
+
+
+class ReadIncomplete(ReliableKafkaError):
+    """A Spark read task could not read its whole offset range, so it returned nothing at all.
+
+    Either the range's end was not reached in time (leader unavailable, or a transaction stayed open
+    below the end offset), or its start was already deleted by retention. Retry when the cluster is
+    healthy, or choose offsets that still exist.
+    """
