@@ -414,18 +414,14 @@ def test_concurrent_appenders_and_a_delivering_poller(path: Path) -> None:
 # ----------------------------------------------------------------------------- bad input
 
 
-def test_duplicate_message_id_stores_nothing_of_the_batch(path: Path) -> None:
+def test_a_message_id_may_be_spooled_again(path: Path) -> None:
+    """A re-sent message keeps its rk-id: the outbox stores it again instead of refusing it."""
     first = messages(2)
     with Outbox(path) as outbox:
         outbox.append(first)
-        fresh = messages(1)
-        with pytest.raises(OutboxError, match=first[1].message_id):
-            outbox.append(fresh + [first[1]])
-        with pytest.raises(OutboxError, match=fresh[0].message_id):
-            outbox.append(fresh + fresh)
-        assert ids(outbox.pending()) == ids(first)
-        assert outbox.stats().pending == 2
-        assert outbox.append(fresh)  # still usable
+        outbox.append([first[1]])
+        assert ids(outbox.pending()) == ids(first) + [first[1].message_id]
+        assert outbox.stats().pending == 3
 
 
 @pytest.mark.parametrize(
@@ -530,14 +526,12 @@ def _truncated_outbox(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-def _damaged_index_page(path: Path) -> None:
-    # Table pages stay readable, so only SQLite's own integrity check can notice.
+def _damaged_table_page(path: Path) -> None:
+    # The schema and the header stay readable, so only SQLite's own integrity check can notice.
     with Outbox(path) as outbox:
         outbox.append(messages(2000, size=200))
     conn = sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
-    (root,) = conn.execute(
-        "SELECT rootpage FROM sqlite_master WHERE type = 'index' AND tbl_name = 'messages' AND sql IS NULL"
-    ).fetchone()
+    (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE type = 'table' AND name = 'messages'").fetchone()
     (page_size,) = conn.execute("PRAGMA page_size").fetchone()
     conn.close()
     with open(path, "r+b") as fh:
@@ -563,7 +557,7 @@ def _outbox_without_marker(path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "make", [_random_bytes, _truncated_outbox, _damaged_index_page, _foreign_sqlite, _outbox_without_marker]
+    "make", [_random_bytes, _truncated_outbox, _damaged_table_page, _foreign_sqlite, _outbox_without_marker]
 )
 @pytest.mark.parametrize("read_only", [False, True])
 def test_corrupt_file_is_refused_and_left_untouched(
