@@ -3,6 +3,8 @@
 The public API is what this module exports; everything else is internal.
 """
 
+from typing import TYPE_CHECKING
+
 from reliable_kafka.consumer import DeadLetterPolicy, ReliableConsumer
 from reliable_kafka.dedup import ClaimResult, DedupStore, SQLiteDedupStore
 from reliable_kafka.errors import (
@@ -27,6 +29,9 @@ from reliable_kafka.errors import (
 from reliable_kafka.outbox import Durability, OutboxRow
 from reliable_kafka.producer import Message, ReliableProducer, Sent
 from reliable_kafka.retry import RetryPolicy
+
+if TYPE_CHECKING:
+    from reliable_kafka.dedup.redis import RedisDedupStore
 
 __version__ = "0.1.0"
 

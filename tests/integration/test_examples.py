@@ -1,0 +1,129 @@
+"""The runnable examples, run as the user runs them, against the real cluster and a real redis-server.
+
+Each test starts `python examples/X.py --bootstrap-servers B ...` as a subprocess and checks what it
+printed against what an independent reader finds in the topics.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import Consumer, TopicPartition
+
+from reliable_kafka import Message, ReliableProducer
+from reliable_kafka.dlq import parse_dead_letter_headers
+from reliable_kafka.ids import message_id_of
+from reliable_kafka.testing import LocalKafkaCluster, consume_all
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+UNREACHABLE = "127.0.0.1:1"  # nothing listens there: no order can be delivered before the crash
+
+
+def run_example(name: str, *args: str, timeout: float = 60) -> tuple[int, dict[str, Any]]:
+    """Run one example; returns its exit status and the JSON line it printed last."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"{name} printed no result (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+    return proc.returncode, json.loads(lines[-1])
+
+
+def test_order_service_keeps_orders_through_a_crash_and_resends_them_first(kafka: LocalKafkaCluster, make_topic,
+                                                                            tmp_path: Path) -> None:
+    topic = make_topic(partitions=1, configs={"min.insync.replicas": 2})
+    outbox = str(tmp_path / "orders.outbox")
+
+    # Run 1 accepts 20 orders while no broker is reachable, then is SIGKILLed: no flush, no close.
+    code, first = run_example("order_service.py", "--bootstrap-servers", UNREACHABLE, "--topic", topic,
+                              "--outbox", outbox, "--orders", "20", "--crash")
+    assert code == -signal.SIGKILL
+    assert first["accepted"] == list(range(1, 21)) and first["pending_at_start"] == 0
+
+    # Run 2 finds them in the outbox, delivers them first, then publishes five new orders.
+    code, second = run_example("order_service.py", "--bootstrap-servers", kafka.bootstrap_servers,
+                               "--topic", topic, "--outbox", outbox, "--orders", "5", "--first-id", "21")
+    assert code == 0, second
+    assert second["pending_at_start"] == 20
+    assert second["accepted"] == list(range(21, 26))
+    assert (second["failed"], second["pending_at_exit"]) == ({}, 0)
+
+    msgs = list(consume_all(kafka.bootstrap_servers, topic))
+    ids = [json.loads(m.value())["id"] for m in msgs]
+    assert ids == list(range(1, 26)), "every accepted order exactly once, the crashed run's first, in order"
+    assert [message_id_of(m.headers()) for m in msgs] == [f"order-{i}" for i in ids]
+
+
+def _uncommitted(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, tuple[int, int]]:
+    """Partitions whose committed offset is not their end offset: {partition: (committed, end)}."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        committed = c.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=15)
+        ends = {p: c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1]
+                for p in range(partitions)}
+    finally:
+        c.close()
+    # An empty partition has nothing to commit (its committed offset stays unset).
+    return {tp.partition: (tp.offset, ends[tp.partition]) for tp in committed
+            if ends[tp.partition] > 0 and tp.offset != ends[tp.partition]}
+
+
+def _rewind(bootstrap: str, group: str, topic: str, partitions: int) -> None:
+    """What an operator's offset reset does: the whole topic is delivered to the group again."""
+    c = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+    try:
+        c.commit(offsets=[TopicPartition(topic, p, 0) for p in range(partitions)], asynchronous=False)
+    finally:
+        c.close()
+
+
+@pytest.mark.redis
+def test_dlq_consumer_charges_each_order_once_parks_poison_and_a_replay_charges_nothing(
+        kafka: LocalKafkaCluster, make_topic, redis_url: str, tmp_path: Path) -> None:
+    topic = make_topic(partitions=3, configs={"min.insync.replicas": 2})
+    orders = list(range(1, 31))
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "o.db") as p:
+        # Every order twice with the same rk-id, as a producer re-sends after a crash. The outbox refuses an
+        # id it still holds, so the second copy goes out once the first is delivered (and gone from it).
+        for _ in range(2):
+            p.send_many([Message(topic, json.dumps({"id": i, "total": 9.5}).encode(), key=f"c-{i % 4}".encode(),
+                                 message_id=f"order-{i}") for i in orders])
+            assert p.flush(30) == 0
+        poison = p.send_many([Message(topic, b"{not json", key=b"c-0"),
+                              Message(topic, json.dumps({"id": 99, "total": -1}).encode(), key=b"c-1")])
+        assert p.flush(30) == 0
+    group = f"billing-{uuid.uuid4().hex[:6]}"
+    args = ["--bootstrap-servers", kafka.bootstrap_servers, "--redis-url", redis_url, "--topic", topic,
+            "--group", group, "--concurrency", "2", "--idle-exit", "8", "--create-dlq"]
+
+    code, first = run_example("dlq_consumer.py", *args)
+    assert code == 0, first
+    assert Counter(first["charged"]) == Counter(orders), "each order charged exactly once"
+    assert first["gateway_timeouts"] == 6  # orders 5, 10, ..., 30 failed once, then were retried
+    assert first["counts"]["duplicates_skipped"] == 30
+    assert first["counts"]["dead_lettered"] == 2
+    dead = list(consume_all(kafka.bootstrap_servers, f"{topic}.dlq"))
+    infos = sorted((parse_dead_letter_headers(m.headers()) for m in dead), key=lambda i: i.message_id or "")
+    assert sorted(m.value() for m in dead) == sorted([b"{not json", json.dumps({"id": 99, "total": -1}).encode()])
+    assert [i.message_id for i in infos] == sorted(s.message_id for s in poison), "rk-id kept on the DLQ copy"
+    assert all(i.topic == topic and i.attempts == 1 and i.error_type.endswith("InvalidOrder") for i in infos)
+    assert _uncommitted(kafka.bootstrap_servers, group, topic, 3) == {}, "every record committed"
+
+    # Replay the whole topic to the same group: Redis remembers every charged and parked order.
+    _rewind(kafka.bootstrap_servers, group, topic, 3)
+    code, replay = run_example("dlq_consumer.py", *args)
+    assert code == 0, replay
+    assert replay["charged"] == []
+    assert replay["counts"]["duplicates_skipped"] == 62
+    assert replay["counts"].get("dead_lettered", 0) == 0
+    assert len(list(consume_all(kafka.bootstrap_servers, f"{topic}.dlq"))) == 2
