@@ -29,6 +29,7 @@ from reliable_kafka.errors import (
 from reliable_kafka.outbox import Durability, OutboxRow
 from reliable_kafka.producer import Message, ReliableProducer, Sent
 from reliable_kafka.retry import RetryPolicy
+from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
 
 if TYPE_CHECKING:
     from reliable_kafka.dedup.redis import RedisDedupStore
@@ -51,6 +52,7 @@ __all__ = [
     "Durability",
     "Message",
     "OutboxRow",
+    "OutputRecord",
     "ReliableConsumer",
     "RedisDedupStore",
     "ReliableProducer",
@@ -74,4 +76,5 @@ __all__ = [
     "SerializationError",
     "TopicConfigError",
     "TransactionFenced",
+    "TransactionalProcessor",
 ]

@@ -451,81 +451,128 @@ class ReliableConsumer:
 
     # ---- dedup ---------------------------------------------------------------------------
 
+    def dedup_key_of(self, msg: Message) -> str | None:
+        """The key the dedup store claims for `msg`: its rk-id, unless `dedup_key=` says otherwise.
+
+        A handler whose effect lives in the store (inbox mode) passes it to `store.inbox([key])`, so
+        the effect and the confirmation commit together; the consumer's own confirmation after the
+        handler then finds the key done and changes nothing.
+        """
+        return self._dedup_key(msg)
+
     def _claim_and_dispatch(self, works: list[_Work], batch_handler: BatchHandler | None) -> None:
+        """Claim the batch's keys in one store call, skip the confirmed ones, run the claimed ones.
+
+        A busy key (another consumer's live claim, or a dead one's until its lease expires) holds back
+        its record and every later record of its partition, so each partition still runs in offset
+        order; the loop claims them again on its next step.
+        """
         assert self._dedup is not None
-        keyed: dict[str, list[_Work]] = defaultdict(list)
-        plain: list[_Work] = []
-        for w in works:
-            key = self._dedup_key(w.msg)
-            if key is None:
-                plain.append(w)
-            else:
-                keyed[key].append(w)
+        keys = [self._dedup_key(w.msg) for w in works]
         try:
-            result = self._dedup.claim(list(keyed), self._dedup_lease_s) if keyed else None
+            result = self._dedup.claim([k for k in keys if k is not None], self._dedup_lease_s)
         except DedupStoreUnavailable as exc:
+            self._store_outage(exc)
             if self._dedup_fail_open:
                 self._dispatch(works, batch_handler)
                 return
-            self._store_outage(exc)
+            # Fail closed: nothing of the batch runs, so nothing past it is confirmed or committed.
             self._held = works
-            self._pause_all()
-            self._consumer.poll(0.2)  # stay in the group; paused partitions deliver nothing
-            time.sleep(min(2.0, 0.1 * 2 ** min(5, self._counts["store_retries"])))
-            self._counts["store_retries"] += 1
+            self._hold_paused(min(2.0, 0.1 * 2 ** min(5, self._counts["store_retries"])))
             return
-        if self._store_down_since is not None:
-            log.warning("dedup store is back after %.1fs; resuming", time.monotonic() - self._store_down_since)
-            self._store_down_since = None
-            self._counts["store_retries"] = 0
-        run: list[_Work] = list(plain)
+        self._store_back()
+        done, claimed = result.done, result.claimed
+        run: list[_Work] = []
         later: list[_Work] = []
-        for key, ws in keyed.items():
-            if result is not None and key in result.done:
-                for w in ws:
-                    self._counts["duplicates_skipped"] += 1
-                    self._done(w)
-            elif result is not None and key in result.claimed:
-                run.append(_Work(ws[0].msg, ws[0].epoch, key))
-                # Copies of the same key in one batch: the first one's effect covers them.
-                for w in ws[1:]:
-                    self._counts["duplicates_skipped"] += 1
-                    self._done(w)
+        running: set[str] = set()
+        blocked: set[tuple[str | None, int | None]] = set()  # partitions behind a busy record
+        for w, key in zip(works, keys, strict=True):
+            if blocked and (w.msg.topic(), w.msg.partition()) in blocked:
+                later.append(w)
+            elif key is None:
+                run.append(w)
+            elif key in done or key in running:
+                # Confirmed earlier, or a copy of a key that runs in this batch: its effect covers this one.
+                self._counts["duplicates_skipped"] += 1
+                self._done(w)
+            elif key in claimed:
+                w.key = key
+                running.add(key)
+                run.append(w)
             else:
-                later.extend(ws)  # busy: another consumer (or a dead one's lease) holds it
-        run.sort(key=lambda w: (w.msg.partition(), w.msg.offset()))
+                blocked.add((w.msg.topic(), w.msg.partition()))
+                later.append(w)
+        if len(running) < len(claimed):
+            # Claimed, but every record of the key waits behind a busy one: free it for the next claim.
+            with contextlib.suppress(DedupStoreUnavailable):  # else the lease expires on its own
+                self._dedup.release(list(claimed - running))
         self._dispatch(run, batch_handler)
         if later:
             self._held = later
-            time.sleep(0.2)
+            self._hold_paused(0.2)
+
+    def _hold_paused(self, timeout: float) -> None:
+        """Wait `timeout` seconds with every partition paused, still serving the group (rebalances).
+
+        consume(), not poll(): a record that arrives anyway (from a partition assigned meanwhile) is
+        tracked and held with the rest, never handed past the offset tracker.
+        """
+        self._pause_all()
+        fetched = self._fetch(self._max_batch, timeout)  # may run _forget(), which replaces _held
+        self._held.extend(self._work(m) for m in fetched)
 
     def _take_held(self) -> list[_Work]:
         held, self._held = self._held, []
         return held
 
     def _store_outage(self, exc: Exception) -> None:
-        if self._store_down_since is None:
-            self._store_down_since = time.monotonic()
-            # One line per outage, not per retry.
-            log.error("dedup store unavailable (%s); holding progress, nothing is committed until it is back", exc)
+        """A store call failed: one log line per outage (not per retry), then count the retry."""
+        if not self._counts["store_retries"]:
+            self._counts["store_outages"] += 1
+            if self._dedup_fail_open:
+                log.warning("dedup store unavailable (%s); dedup_fail_open=True: processing without dedup until "
+                            "it is back, duplicates are processed again", exc)
+            else:
+                self._store_down_since = time.monotonic()
+                log.error("dedup store unavailable (%s); holding progress, nothing is committed until it is back",
+                          exc)
+        self._counts["store_retries"] += 1
+
+    def _store_back(self) -> None:
+        """A store call succeeded: end the outage, if there was one, and let partitions resume."""
+        if self._counts["store_retries"]:
+            since, self._store_down_since = self._store_down_since, None
+            took = "" if since is None else f" after {time.monotonic() - since:.1f} s"
+            log.warning("dedup store is back%s; resuming with dedup", took)
+            self._counts["store_retries"] = 0
 
     def _flush_confirms(self) -> None:
+        """Confirm the handled records' keys in one store call; only then may their offsets be committed.
+
+        Effect, then dedup record, then offset: a crash in between redelivers the record, whose key is
+        then done (skipped) or its claim expires and it runs again (inbox mode closes that gap).
+        """
         with self._confirm_lock:
             pending, self._to_confirm = self._to_confirm, []
         if not pending:
             return
-        if self._dedup is not None:
-            try:
-                self._dedup.confirm([w.key for w in pending if w.key is not None])
-            except DedupStoreUnavailable as exc:
-                self._store_outage(exc)
+        assert self._dedup is not None
+        try:
+            self._dedup.confirm([w.key for w in pending if w.key is not None])
+        except DedupStoreUnavailable as exc:
+            self._store_outage(exc)
+            if not self._dedup_fail_open:
                 with self._confirm_lock:
                     self._to_confirm = pending + self._to_confirm
                 return
+            # Fail open: the effect happened; unconfirmed, a redelivery of the record may run again.
+        else:
+            self._store_back()
         for w in pending:
             self._done(w)
 
     def _release(self, w: _Work) -> None:
+        """Free the claim of a record that did not finish, so its redelivery runs without waiting."""
         if self._dedup is not None and w.key is not None:
             with contextlib.suppress(DedupStoreUnavailable):  # the lease expires on its own
                 self._dedup.release([w.key])

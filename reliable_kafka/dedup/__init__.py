@@ -12,14 +12,14 @@ from reliable_kafka.dedup.base import ClaimResult, DedupStore
 from reliable_kafka.dedup.sqlite import SQLiteDedupStore, SQLiteInbox
 
 if TYPE_CHECKING:
-    from reliable_kafka.dedup.redis import RedisDedupStore
+    from reliable_kafka.dedup.redis import RedisDedupStore, RedisInbox
 
-__all__ = ["ClaimResult", "DedupStore", "RedisDedupStore", "SQLiteDedupStore", "SQLiteInbox"]
+__all__ = ["ClaimResult", "DedupStore", "RedisDedupStore", "RedisInbox", "SQLiteDedupStore", "SQLiteInbox"]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "RedisDedupStore":
-        from reliable_kafka.dedup.redis import RedisDedupStore
+    if name in ("RedisDedupStore", "RedisInbox"):
+        from reliable_kafka.dedup import redis
 
-        return RedisDedupStore
+        return getattr(redis, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

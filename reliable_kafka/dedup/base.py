@@ -41,7 +41,8 @@ class DedupStore(Protocol):
     If the process dies between 1 and 3, the claims expire after ``lease_s`` and anyone may claim the
     keys again, so the lease must be longer than the handler takes. If the handler succeeded but
     ``confirm`` could not be written, the effect can happen a second time after the lease expires; the
-    SQLite inbox mode closes that gap by committing the effect and the confirmation together.
+    inbox modes (``SQLiteDedupStore.inbox``, ``RedisDedupStore.inbox``) close that gap by committing an
+    effect stored in the same store and the confirmation together.
     Every method raises ``DedupStoreUnavailable`` when the store cannot be read or written; the
     caller must then hold progress (fail closed): nothing is confirmed, nothing is committed.
     Subclasses get the context manager from here.

@@ -1,18 +1,21 @@
 """Redis dedup store: each key is one Redis string holding ``claim:<owner>`` or ``done``, with a TTL.
 
-Claim, confirm and release are one Lua script call per batch (one round trip, atomic on the server), and
-any Redis failure raises DedupStoreUnavailable within the socket timeout instead of hanging.
+Claim, confirm and release are one Lua script call per batch (one round trip, atomic on the server), inbox
+mode applies the application's Redis writes and the confirmation in one MULTI/EXEC, and any Redis failure
+raises DedupStoreUnavailable within the socket timeout instead of hanging.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.client import Pipeline
 from redis.retry import Retry
 
 from reliable_kafka.dedup.base import ClaimResult, DedupStore, distinct_keys, lease_ms, retention_ms
@@ -79,6 +82,39 @@ def _joined(batch: list[str]) -> str:
     return payload
 
 
+# Errors a MULTI/EXEC reports for the application's own queued commands (a wrong type, a syntax error)
+# reach the caller unchanged; these ResponseErrors describe the server itself, so they mean unavailable.
+_SERVER_REFUSALS = (redis.exceptions.OutOfMemoryError, redis.exceptions.ReadOnlyError)
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisInbox:
+    """One open inbox transaction: queue the effect's Redis writes on ``pipe``.
+
+    ``pipe`` is a redis-py pipeline inside MULTI: commands queued on it return nothing until the block
+    ends, then they and the confirmation of the inbox's keys run as one MULTI/EXEC. Do not call
+    ``pipe.execute()`` yourself. ``already_done`` is True when every key was confirmed before the block
+    began (an earlier attempt committed, or another consumer did): the queued writes are then discarded.
+    """
+
+    def __init__(self, pipe: Pipeline, *, already_done: bool) -> None:
+        self.pipe = pipe
+        self.already_done = already_done
+
+
+def _reset(pipe: Pipeline) -> None:
+    """Discard the pipeline's queued writes and WATCHes and give its connection back to the pool."""
+    try:
+        pipe.reset()
+    except redis.RedisError as exc:
+        # UNWATCH failed on a dead or hung connection: the WATCHes die with it. Raising here would hide
+        # the error that ended the block.
+        logger.debug("could not reset an inbox pipeline (%s); its connection is dropped", exc)
+
+
 def _describe(client: redis.Redis) -> str:
     """Where the client points, without its password, for error messages."""
     kwargs = client.connection_pool.connection_kwargs
@@ -107,6 +143,9 @@ class RedisDedupStore(DedupStore):
     - A client built from a URL retries a failed connection once at once (a restarted server closes
       pooled connections) and never retries a timeout. Retrying a claim whose reply was lost is safe:
       the key then reads busy until its lease expires, it never runs twice.
+    - Inbox mode (``inbox(keys)``) makes an effect stored in the same Redis exactly-once: the
+      application's writes and the confirmation of ``keys`` are one MULTI/EXEC, guarded by WATCH so that
+      an inbox whose keys are already done writes nothing (see ``inbox``).
     """
 
     def __init__(
@@ -213,6 +252,76 @@ class RedisDedupStore(DedupStore):
         if not batch:
             return
         self._run("release keys", self._release, batch)
+
+    @contextmanager
+    def inbox(self, keys: Sequence[str]) -> Iterator[RedisInbox]:
+        """A Redis transaction holding the application's writes and the confirmation of ``keys``.
+
+        ::
+
+            with store.inbox([key]) as tx:
+                tx.pipe.hincrby("stock", item, -1)
+
+        When the block ends normally the queued writes and ``done`` for every key are applied by one
+        MULTI/EXEC: both or neither, and a process killed before that leaves neither (the claim then
+        expires and the message runs again). An exception in the block discards the queued writes and
+        is re-raised unchanged.
+
+        The keys are WATCHed before the block runs. If every key is already done, the transaction is
+        an earlier attempt that committed (its reply lost to a timeout, say) or another consumer's that
+        took the key over: the block's writes are discarded and ``tx.already_done`` is True, so
+        retrying an inbox never applies its effect twice. A key that changes between the check and
+        EXEC aborts the transaction (nothing is written) with ``DedupStoreUnavailable``: retry.
+        Redis does not roll back a queued command that fails at run time (a wrong type): the others,
+        the confirmation included, are still applied and the command's ``ResponseError`` is raised, so
+        queue only commands that cannot fail that way. Two to three round trips per inbox.
+        """
+        batch = distinct_keys(keys)
+        names = [self.prefix + key for key in batch]
+        pipe = self._client.pipeline(transaction=True)
+        try:
+            try:
+                values: list[Any] = []
+                if names:
+                    pipe.watch(*names)
+                    values = pipe.mget(names)
+                pipe.multi()
+            except redis.RedisError as exc:
+                raise self._unavailable("open an inbox transaction", exc) from exc
+            states = [_text(value) for value in values]
+            done = states.count(_DONE)
+            taken_over = sum(1 for state in states if state not in (None, _DONE, self._claim_value))
+            tx = RedisInbox(pipe, already_done=bool(batch) and done == len(batch))
+            yield tx
+            if tx.already_done:
+                logger.debug("inbox keys %s were already done; their writes are discarded", batch[:5])
+                return
+            for name in names:
+                pipe.set(name, _DONE, px=self._retention_ms)
+            try:
+                pipe.execute()
+            except redis.WatchError as exc:
+                raise self._unavailable(
+                    "commit an inbox transaction (a key changed after it was checked, so nothing was"
+                    " written; retry)",
+                    exc,
+                ) from exc
+            except redis.ResponseError as exc:
+                if isinstance(exc, _SERVER_REFUSALS):
+                    raise self._unavailable("commit an inbox transaction", exc) from exc
+                raise
+            except redis.RedisError as exc:
+                raise self._unavailable("commit an inbox transaction", exc) from exc
+            if done or taken_over:
+                logger.warning(
+                    "inbox confirmed %d key(s) already done and %d claimed by another consumer after this"
+                    " one's lease expired; their effect may be applied twice: raise lease_s above the longest"
+                    " handler time and keep the keys of one effect together",
+                    done,
+                    taken_over,
+                )
+        finally:
+            _reset(pipe)
 
     def close(self) -> None:
         """Close the connection pool if this store created the client; a caller's client stays open."""

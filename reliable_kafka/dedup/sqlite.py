@@ -50,6 +50,11 @@ _RELEASE = f"DELETE FROM {TABLE} WHERE {_IN_BATCH} AND state = '{_CLAIMED}' AND 
 
 _PURGE = f"DELETE FROM {TABLE} WHERE expires_ms <= :now"
 
+_COUNT_DONE = f"SELECT count(*) FROM {TABLE} WHERE {_IN_BATCH} AND state = '{_DONE}' AND expires_ms > :now"
+
+# Rolls an inbox block back inside its transaction when its keys were already done.
+_SKIP_SAVEPOINT = "rk_inbox_already_done"
+
 
 def _now_ms() -> int:
     # Wall-clock time, not monotonic: leases are compared across processes sharing the file.
@@ -57,18 +62,20 @@ def _now_ms() -> int:
 
 
 class SQLiteInbox:
-    """One open inbox transaction: write the effect through ``conn``, then ``confirm`` the keys it covers.
+    """One open inbox transaction: write the effect through ``conn``; the inbox's keys are confirmed with it.
 
     Do not call ``conn.commit()`` or ``conn.rollback()``: the ``with`` block commits (or rolls back) the
-    application's rows and the confirmations together.
+    application's rows and the confirmations together. ``already_done`` is True when every key passed
+    to ``inbox(keys)`` was confirmed before the block began: the block's writes are then rolled back.
     """
 
-    def __init__(self, store: SQLiteDedupStore, conn: sqlite3.Connection) -> None:
+    def __init__(self, store: SQLiteDedupStore, conn: sqlite3.Connection, *, already_done: bool = False) -> None:
         self._store = store
         self.conn = conn
+        self.already_done = already_done
 
     def confirm(self, keys: Sequence[str]) -> None:
-        """Record the keys as done in this transaction: they count only if the block commits."""
+        """Record more keys as done in this transaction: they count only if the block commits."""
         self._store.confirm(keys)
 
 
@@ -83,13 +90,14 @@ class SQLiteDedupStore(DedupStore):
     same SQLite file (keep the application's tables in the store's file)::
 
         result = store.claim(keys)
-        with store.inbox() as tx:
+        with store.inbox(keys_handled) as tx:
             tx.conn.execute("INSERT INTO orders ...")
-            tx.confirm(keys_handled)
 
     Either both commit or, on any exception inside the block, neither does; a crash in between leaves
-    neither, and the key's claim simply expires. Store methods called on the same thread inside the block
-    join its transaction; other threads wait until it ends (one connection per store).
+    neither, and the key's claim simply expires. An inbox whose keys are all done already writes
+    nothing (see ``inbox``), so its effect is applied once even when a lease ran out. Store methods
+    called on the same thread inside the block join its transaction; other threads wait until it ends
+    (one connection per store).
     """
 
     def __init__(
@@ -283,14 +291,45 @@ class SQLiteDedupStore(DedupStore):
         return deleted
 
     @contextmanager
-    def inbox(self) -> Iterator[SQLiteInbox]:
-        """A transaction holding the application's writes and its confirmations: both commit or neither.
+    def inbox(self, keys: Sequence[str] = ()) -> Iterator[SQLiteInbox]:
+        """A transaction holding the application's writes and the confirmation of ``keys``: both or neither.
 
-        The exception that aborted the block is re-raised unchanged after the rollback; failures to begin
-        or commit raise ``DedupStoreUnavailable``.
+        The transaction holds the write lock from the start, so checking the keys and committing are
+        one step: if every key is already done (another consumer applied the effect after this one's
+        lease ran out), the block's writes are rolled back and ``tx.already_done`` is True. Keys can
+        also be confirmed inside the block with ``tx.confirm``. The exception that aborted the block is
+        re-raised unchanged after the rollback; failures to begin or commit raise
+        ``DedupStoreUnavailable``.
         """
+        batch = distinct_keys(keys)
         with self._transaction("run an inbox transaction", own_statements=False) as conn:
-            yield SQLiteInbox(self, conn)
+            done = 0
+            if batch:
+                try:
+                    (done,) = conn.execute(
+                        _COUNT_DONE, {"keys": json.dumps(batch), "now": _now_ms()}
+                    ).fetchone()
+                    if done == len(batch):
+                        conn.execute(f"SAVEPOINT {_SKIP_SAVEPOINT}")
+                except sqlite3.Error as exc:
+                    raise self._unavailable("run an inbox transaction", exc) from exc
+            tx = SQLiteInbox(self, conn, already_done=bool(batch) and done == len(batch))
+            yield tx
+            if tx.already_done:
+                logger.debug("inbox keys %s were already done; their writes are rolled back", batch[:5])
+                try:
+                    conn.execute(f"ROLLBACK TO {_SKIP_SAVEPOINT}")
+                    conn.execute(f"RELEASE {_SKIP_SAVEPOINT}")
+                except sqlite3.Error as exc:
+                    raise self._unavailable("run an inbox transaction", exc) from exc
+                return
+            self.confirm(batch)
+        if done:
+            logger.warning(
+                "inbox confirmed %d key(s) that were already done; their effect may be applied twice:"
+                " keep the keys of one effect together",
+                done,
+            )
 
     def close(self) -> None:
         with self._lock:

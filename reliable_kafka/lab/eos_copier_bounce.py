@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from reliable_kafka.errors import TransactionFailed, TransactionFenced
 from reliable_kafka.ids import ID_HEADER, message_id_of, new_ids
 from reliable_kafka.lab.base import CONTROL, RELIABLE, Progress, Scenario, ScenarioResult
 from reliable_kafka.lab.common import result_from, topic_name
+from reliable_kafka.retry import retry_kafka_call
 from reliable_kafka.testing.cluster import LocalKafkaCluster, consume_all
 from reliable_kafka.transactions import CommitInfo, OutputRecord, TransactionalProcessor
 
@@ -123,13 +125,13 @@ class AtLeastOnceCopier:
             self._on_commit(CommitInfo(offsets, copied, copied, 0))
 
 
-def copy_transform(output_topic: str, delay_s: float = 0.0) -> Callable[[Message], list[OutputRecord]]:
+def copy_transform(output_topic: str, delay_s: float = 0.0) -> Callable[[Message], tuple[OutputRecord]]:
     """The transform of the exactly-once copier: the record as it is, into `output_topic`."""
 
-    def transform(msg: Message) -> list[OutputRecord]:
+    def transform(msg: Message) -> tuple[OutputRecord]:
         if delay_s:
             time.sleep(delay_s)
-        return [OutputRecord(output_topic, msg.value(), msg.key(), msg.headers())]
+        return (OutputRecord(output_topic, msg.value(), msg.key(), msg.headers()),)
 
     return transform
 
@@ -181,7 +183,7 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--static-membership", action="store_true",
                     help="use the instance name as group.instance.id: a restart rejoins without a rebalance")
     ap.add_argument("--session-timeout-ms", type=int, default=6_000)
-    ap.add_argument("--transaction-timeout-ms", type=int, default=10_000)
+    ap.add_argument("--transaction-timeout-ms", type=int, default=60_000)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {args.instance} %(levelname)s %(name)s: %(message)s")
@@ -215,9 +217,11 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
         reporter.event("started", pid=os.getpid())
         copier.run()
     except TransactionFenced as exc:
+        log.error("copier fenced: %s", exc)
         reporter.event("fenced", error=str(exc))
         return 3
     except TransactionFailed as exc:
+        log.exception("copier failed: %s", exc)
         reporter.event("failed", error=str(exc))
         return 4
     finally:
@@ -314,7 +318,10 @@ def group_lag(bootstrap: str, group: str, topic: str) -> int:
     probe = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "isolation.level": "read_committed",
                       "enable.auto.commit": False})
     try:
-        committed = probe.committed([TopicPartition(t, p) for t, p in ends], timeout=30)
+        parts = [TopicPartition(t, p) for t, p in ends]
+        # A new group's coordinator may still be loading, or moving while a broker is down.
+        committed = retry_kafka_call(lambda: probe.committed(parts, timeout=30), deadline_s=90,
+                                     what=f"committed offsets of {group}")
     finally:
         probe.close()
     done = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in committed}
@@ -328,12 +335,16 @@ def kill_rounds(
     at_progress: float,
     finished: Callable[[], bool],
     deadline_s: float,
+    seed: int = 7,
 ) -> Iterator[CopierProcess]:
     """Kafka's TransactionsTest bounce: each round, SIGKILL each copier once its current incarnation
     has made `at_progress` progress, and restart it. Yields each copier right after its restart.
 
-    Stops early when `finished()` says the copy is done (a kill then proves nothing) or the deadline passes.
+    Progress is reported at commits, so each kill waits a random 0-0.5 s more: it should land inside
+    a transaction, not right after one. Stops early when `finished()` says the copy is done (a kill
+    then proves nothing) or the deadline passes.
     """
+    rng = random.Random(seed)
     deadline = time.monotonic() + deadline_s
     for _ in range(rounds):
         for copier in copiers:
@@ -346,13 +357,17 @@ def kill_rounds(
                         return
                     next_check = time.monotonic() + 1.0
                 time.sleep(0.1)
+            time.sleep(rng.uniform(0.0, 0.5))
             copier.restart()
             yield copier
 
 
-def seed_input(bootstrap: str, topic: str, n: int, keys: int = 50) -> list[bytes]:
-    """Fill `topic` with n unique values "k<key>:<seq>" keyed by k<key>, each with its own rk-id."""
-    values = [f"k{i % keys:03d}:{i // keys:06d}".encode() for i in range(n)]
+def seed_input(bootstrap: str, topic: str, n: int, *, start: int = 0, keys: int = 50) -> list[bytes]:
+    """Append n unique values "k<key>:<seq>" keyed by k<key>, each with its own rk-id, to `topic`.
+
+    Values number on from `start`, so topping up the input keeps every key's sequence increasing.
+    """
+    values = [f"k{i % keys:03d}:{i // keys:06d}".encode() for i in range(start, start + n)]
     producer = Producer(producer_config({"bootstrap.servers": bootstrap, "linger.ms": 20}))
     for value, mid in zip(values, new_ids(n), strict=True):
         while True:

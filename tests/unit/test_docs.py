@@ -106,3 +106,18 @@ def test_every_test_the_docs_cite_exists() -> None:
             assert re.search(rf"^\s*(async )?def {name}\(", source.read_text(), re.M), \
                 f"{page.name} cites {path}::{node}, which is not a test in that file"
     assert cited > 0, "the docs cite no test at all"
+
+
+def test_the_docs_site_builds_with_strict_checks(tmp_path: Path) -> None:
+    """CI builds the MkDocs site with --strict: a broken link or a missing page fails the suite."""
+    import shutil
+    import subprocess
+    import sys
+
+    mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
+    assert mkdocs, "mkdocs is part of the dev extra; install it with ./dev setup"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([mkdocs, "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=root,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "site" / "guarantees" / "index.html").exists()

@@ -1,0 +1,118 @@
+"""`reliable-kafka bench eos`: the at-least-once copier against TransactionalProcessor committing every
+100 ms, in the same run on the same brokers, each copying the same seeded input in a process of its own.
+
+Only the copy is measured: the input is seeded first, and the clock runs from a variant's first commit
+to the commit that covers the last record, so process start and the group join are left out of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from reliable_kafka.bench.common import peak_rss_mb, rows_against
+from reliable_kafka.bench.worker import produce_raw
+from reliable_kafka.lab.eos_copier_bounce import AtLeastOnceCopier, copy_transform
+from reliable_kafka.transactions import CommitInfo, TransactionalProcessor
+
+BASELINE = "at_least_once_copier"
+VARIANT = "transactional_processor"
+PARTITIONS = 3
+
+
+def run_eos_bench(
+    bootstrap_servers: str,
+    messages: int = 200_000,
+    *,
+    create_topic: Callable[[str, int], None],
+    repeat: int = 2,
+) -> list[dict[str, Any]]:
+    """Rows of `reliable-kafka bench --json` for the baseline (ratio 1.0) and TransactionalProcessor.
+
+    Each variant copies the input `repeat` times, interleaved with the other so that a slow spell of a
+    shared host hits both; its best run counts. `create_topic(name, partitions)` makes the topics.
+    """
+    source = f"bench-eos-in-{uuid.uuid4().hex[:6]}"
+    create_topic(source, PARTITIONS)
+    # A fast raw idempotent producer, not measured. The records carry rk-ids, as ReliableProducer's do,
+    # so both copiers carry the same headers across and the difference is the transactions.
+    produce_raw(bootstrap_servers, source, messages, with_ids=True)
+    runs: dict[str, list[dict[str, Any]]] = {BASELINE: [], VARIANT: []}
+    for _ in range(repeat):
+        for variant, results in runs.items():
+            output = f"bench-eos-{variant}-{uuid.uuid4().hex[:6]}"
+            create_topic(output, PARTITIONS)
+            results.append(_in_own_process(variant, bootstrap_servers, source, output, messages))
+    best = {variant: max(results, key=lambda r: r["msgs_per_s"]) for variant, results in runs.items()}
+    return [row.as_json() for row in rows_against("eos", BASELINE, best, messages)]
+
+
+def _in_own_process(variant: str, bootstrap: str, source: str, output: str, messages: int) -> dict[str, Any]:
+    argv = [sys.executable, "-m", __name__, variant, "--bootstrap", bootstrap, "--input", source,
+            "--output", output, "--messages", str(messages)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"eos benchmark {variant} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def copy_rate(variant: str, bootstrap: str, source: str, output: str, messages: int) -> float:
+    """Copy `messages` records with one variant; records per second between its first and last commit."""
+    group = f"bench-eos-{variant}-{uuid.uuid4().hex[:6]}"
+    marks: list[tuple[float, int]] = []
+    copier: AtLeastOnceCopier | TransactionalProcessor
+
+    def on_commit(info: CommitInfo) -> None:
+        total = (marks[-1][1] if marks else 0) + info.messages
+        marks.append((time.perf_counter(), total))
+        if total >= messages:
+            copier.stop()
+
+    if variant == BASELINE:
+        copier = AtLeastOnceCopier(bootstrap, group_id=group, input_topic=source, output_topic=output,
+                                   on_commit=on_commit)
+        copier.run()
+        copier.close()
+    elif variant == VARIANT:
+        copier = TransactionalProcessor(
+            {"bootstrap.servers": bootstrap}, group_id=group, input_topics=[source],
+            transform=copy_transform(output), transactional_id=f"{group}-0", max_batch_interval_s=0.1,
+            on_commit=on_commit,
+        )
+        with copier:
+            copier.run()
+    else:
+        raise ValueError(f"unknown eos variant {variant!r}; use {BASELINE} or {VARIANT}")
+    (first_at, first_total), (last_at, last_total) = marks[0], marks[-1]
+    if last_total < messages or last_at <= first_at:
+        raise RuntimeError(f"{variant} copied {last_total} of {messages} records in {len(marks)} commit(s)")
+    return (last_total - first_total) / (last_at - first_at)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="one eos benchmark variant; prints its result as JSON")
+    ap.add_argument("variant", choices=[BASELINE, VARIANT])
+    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--input", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--messages", type=int, required=True)
+    a = ap.parse_args(argv)
+    rate = copy_rate(a.variant, a.bootstrap, a.input, a.output, a.messages)
+    print(json.dumps({"msgs_per_s": rate, "peak_rss_mb": peak_rss_mb()}), flush=True)
+    # A lingering librdkafka thread must not keep the benchmark waiting.
+    threading.Event().wait(0.1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

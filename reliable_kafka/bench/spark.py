@@ -1,0 +1,139 @@
+"""`reliable-kafka bench spark`: our Spark writer against Spark's own Kafka sink, same DataFrame, cluster and run.
+
+Each variant writes the same rows (unique 100-byte values, same Spark partitions) to its own fresh topic
+with the same partition count; rounds are interleaved so load drift on the host hits every variant.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+BASELINE = "spark_kafka_sink"
+VALUE_BYTES = 100
+SPARK_PARTITIONS = 4
+TOPIC_PARTITIONS = 4
+
+
+@contextmanager
+def _peak_rss_mb() -> Iterator[list[float]]:
+    """Peak resident memory of this process and its children (Spark's JVM, its Python workers)."""
+    import psutil
+
+    peak = [0.0]
+    stop = threading.Event()
+    me = psutil.Process()
+
+    def sample() -> None:
+        while not stop.is_set():
+            total = 0
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    total += proc.memory_info().rss
+                except psutil.Error:
+                    continue
+            peak[0] = max(peak[0], total / 1e6)
+            stop.wait(0.25)
+
+    thread = threading.Thread(target=sample, name="rk-bench-rss", daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        thread.join()
+
+
+def run_spark_bench(
+    bootstrap_servers: str,
+    rows: int,
+    create_topic: Callable[[str, int], None],
+    *,
+    rounds: int = 2,
+) -> list[dict[str, Any]]:
+    """Measure Spark's Kafka sink, our at_least_once and our exactly_once writer on `rows` rows.
+
+    Returns one row per variant: the baseline (ratio 1.0), ours, and Spark's sink with our writer's
+    batching settings for context. msgs_per_s is the best of `rounds`.
+    """
+    from pyspark.sql import functions as F
+
+    from reliable_kafka.spark.api import write_kafka
+    from reliable_kafka.spark.local import local_session
+
+    spark = local_session(app_name="reliable-kafka-bench")
+    try:
+        df = spark.range(0, rows, 1, SPARK_PARTITIONS).select(
+            F.expr(f"cast(lpad(cast(id as string), {VALUE_BYTES}, 'x') as binary)").alias("value")
+        )
+
+        def spark_sink(**tuning: str) -> Callable[[Any, str], None]:
+            def write(frame: Any, topic: str) -> None:
+                writer = frame.write.format("kafka").option("kafka.bootstrap.servers", bootstrap_servers)
+                writer.options(**tuning).option("topic", topic).mode("append").save()
+
+            return write
+
+        def ours(guarantee: str) -> Callable[[Any, str], None]:
+            def write(frame: Any, topic: str) -> None:
+                write_kafka(
+                    frame, bootstrap_servers, topic, guarantee=guarantee,
+                    write_id=f"bench-{uuid.uuid4().hex[:12]}", num_partitions=SPARK_PARTITIONS,
+                )
+
+            return write
+
+        variants: dict[str, Callable[[Any, str], None]] = {
+            BASELINE: spark_sink(),
+            "at_least_once": ours("at_least_once"),
+            "exactly_once": ours("exactly_once"),
+            # Context, not a target: Spark's sink with the batching our writer uses by default (the
+            # Java client's own defaults send 16 KB batches without lingering).
+            f"{BASELINE}_batched": spark_sink(**{"kafka.linger.ms": "20", "kafka.batch.size": "1000000"}),
+        }
+
+        def fresh_topic() -> str:
+            name = f"rk-bench-spark-{uuid.uuid4().hex[:10]}"
+            create_topic(name, TOPIC_PARTITIONS)
+            return name
+
+        # Warm-up: class loading, JIT, Python workers and the marker topic are not part of a measurement.
+        warm = df.limit(SPARK_PARTITIONS * 1000).repartition(SPARK_PARTITIONS)
+        for name, write in variants.items():
+            log.info("bench spark: warming up %s", name)
+            write(warm, fresh_topic())
+
+        best: dict[str, float] = {}
+        peaks: dict[str, float] = {}
+        for round_no in range(rounds):
+            for name, write in variants.items():
+                topic = fresh_topic()
+                with _peak_rss_mb() as peak:
+                    started = time.perf_counter()
+                    write(df, topic)
+                    seconds = time.perf_counter() - started
+                rate = rows / seconds
+                log.info("bench spark round %d: %s %.0f msgs/s (%.1fs)", round_no + 1, name, rate, seconds)
+                best[name] = max(best.get(name, 0.0), rate)
+                peaks[name] = max(peaks.get(name, 0.0), peak[0])
+    finally:
+        spark.stop()
+    return [
+        {
+            "name": "spark",
+            "variant": name,
+            "messages": rows,
+            "msgs_per_s": round(best[name], 1),
+            "baseline": BASELINE,
+            "ratio_vs_baseline": round(best[name] / best[BASELINE], 3),
+            "peak_rss_mb": round(peaks[name], 1),
+        }
+        for name in variants
+    ]

@@ -1,0 +1,307 @@
+"""Progress records of exactly-once Spark writes, kept in a compacted marker topic.
+
+A partition marker is written in the same Kafka transaction as the rows it counts, so it is visible
+exactly when they are; the manifest says a whole write id completed. Reads see only committed records.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+import zlib
+from collections.abc import Collection, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    IsolationLevel,
+    KafkaError,
+    KafkaException,
+    Producer,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
+
+from reliable_kafka import kafka_errors
+from reliable_kafka.config import consumer_config, producer_config
+from reliable_kafka.errors import PartitionWriteFailed, TopicConfigError
+from reliable_kafka.retry import retry_kafka_call
+
+log = logging.getLogger(__name__)
+
+# Settings that say how to reach and authenticate to the cluster; the rest of a writer's kafka.*
+# options are producer tuning that a marker reader must not be given.
+_CONNECTION_PREFIXES = (
+    "bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.", "api.version",
+    "metadata.", "reconnect.", "connections.", "topic.metadata", "enable.ssl",
+)
+
+_VERSION = 1
+
+
+def connection_settings(kafka: Mapping[str, Any]) -> dict[str, Any]:
+    """Only the settings every client type understands: where the brokers are and how to log in."""
+    return {k: v for k, v in kafka.items() if k.startswith(_CONNECTION_PREFIXES)}
+
+
+def partition_key(write_id: str, partition: int) -> str:
+    return f"{write_id}/{partition}"
+
+
+def manifest_key(write_id: str) -> str:
+    return f"{write_id}/manifest"
+
+
+def plan_key(write_id: str) -> str:
+    return f"{write_id}/plan"
+
+
+def marker_partition(key: str, partitions: int) -> int:
+    """Where a record lives: stable, so every attempt and every re-run looks in the same place.
+
+    The markers of one write id's Spark partitions go to consecutive marker partitions: a read waits
+    for the open transactions on its marker partition, so tasks of one job must not share one (a
+    crashed task's transaction would stall its neighbours until its retry fences it). The write-level
+    records (plan, manifest) sit where partition 0's marker does. Never add partitions to a marker topic.
+    """
+    write_id, _, suffix = key.rpartition("/")
+    base = zlib.crc32(write_id.encode())
+    offset = int(suffix) if suffix.isdigit() else 0
+    return (base + offset) % partitions
+
+
+@dataclass(frozen=True)
+class PartitionMarker:
+    """How far one Spark partition of one write id got: its first `rows` rows are committed.
+
+    `done` says the attempt that wrote it saw its input end; it is a hint, not proof of completeness
+    (a worker that outlived its failed task may see a cut-off input end), so a retry always resumes.
+    """
+
+    write_id: str
+    partition: int
+    rows: int
+    fingerprint: str
+    chunks: int
+    done: bool
+    attempt: int
+    num_partitions: int | None = None
+    rows_written: int = 0  # rows the committing job run wrote itself (the rest were already there)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"v": _VERSION, "kind": "partition", **asdict(self)}).encode()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A completed write id: every partition's row count and fingerprint, written at the driver's commit."""
+
+    write_id: str
+    num_partitions: int
+    rows: int
+    partitions: dict[int, PartitionMarker] = field(default_factory=dict)
+    completed_at_ms: int = 0
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(
+            {
+                "v": _VERSION,
+                "kind": "manifest",
+                "write_id": self.write_id,
+                "num_partitions": self.num_partitions,
+                "rows": self.rows,
+                "completed_at_ms": self.completed_at_ms,
+                "partitions": [asdict(m) for m in sorted(self.partitions.values(), key=lambda m: m.partition)],
+            }
+        ).encode()
+
+    @property
+    def rows_written(self) -> int:
+        """Rows written by the job run that completed the write (0 when a re-run only verified)."""
+        return sum(m.rows_written for m in self.partitions.values())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The partition count a write id was started with (recorded when the caller knows it)."""
+
+    write_id: str
+    num_partitions: int
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"v": _VERSION, "kind": "plan", **asdict(self)}).encode()
+
+
+def decode(raw: bytes | None) -> PartitionMarker | Manifest | Plan | None:
+    """The record a marker-topic value holds (None for a tombstone)."""
+    if raw is None:
+        return None
+    data = json.loads(raw)
+    kind = data.pop("kind")
+    data.pop("v", None)
+    if kind == "partition":
+        return PartitionMarker(**data)
+    if kind == "plan":
+        return Plan(**data)
+    parts = {int(p["partition"]): PartitionMarker(**p) for p in data.pop("partitions")}
+    return Manifest(partitions=parts, **data)
+
+
+class MarkerTopic:
+    """The compacted topic holding markers, plans and manifests, reached with the writer's connection settings."""
+
+    def __init__(self, kafka: Mapping[str, Any], topic: str, *, timeout_s: float = 60.0) -> None:
+        self.conn = connection_settings(kafka)
+        self.topic = topic
+        self.timeout_s = timeout_s
+        self._partitions: int | None = None
+
+    def _admin(self) -> AdminClient:
+        return AdminClient(dict(self.conn))
+
+    def ensure(self, partitions: int) -> None:
+        """Create the marker topic if it is missing; refuse one that would not keep markers forever."""
+        admin = self._admin()
+        md = retry_kafka_call(lambda: admin.list_topics(timeout=10), deadline_s=self.timeout_s, what="list topics")
+        if self.topic not in md.topics:
+            brokers = len(md.brokers)
+            rf = min(3, brokers)
+            new = NewTopic(
+                self.topic,
+                num_partitions=partitions,
+                replication_factor=rf,
+                config={
+                    # Compaction keeps the last record of every key forever: retention must never
+                    # delete a marker, or a re-run would write a committed partition again.
+                    "cleanup.policy": "compact",
+                    "min.insync.replicas": str(min(2, rf)),
+                    "segment.ms": str(3_600_000),
+                },
+            )
+            try:
+                admin.create_topics([new], operation_timeout=30)[self.topic].result(timeout=60)
+                log.info("created marker topic %s (%d partitions, rf %d)", self.topic, partitions, rf)
+            except KafkaException as exc:
+                if kafka_errors.code_of(exc) != KafkaError.TOPIC_ALREADY_EXISTS:  # another driver won the race
+                    raise
+            self._wait_ready(admin)
+        resource = ConfigResource(ConfigResource.Type.TOPIC, self.topic)
+        configs = admin.describe_configs([resource])[resource].result(timeout=30)
+        policy = configs["cleanup.policy"].value or ""
+        if "compact" not in policy or "delete" in policy:
+            raise TopicConfigError(
+                self.topic,
+                [f"cleanup.policy={policy}: markers would expire and a re-run would write committed rows "
+                 "again; the marker topic needs cleanup.policy=compact"],
+            )
+
+    def _wait_ready(self, admin: AdminClient) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            md = admin.list_topics(self.topic, timeout=10)
+            t = md.topics.get(self.topic)
+            if t is not None and t.error is None and t.partitions and all(p.leader >= 0 for p in t.partitions.values()):
+                return
+            time.sleep(0.2)
+        raise PartitionWriteFailed(f"marker topic {self.topic} has no leader for every partition yet")
+
+    def partitions(self) -> int:
+        if self._partitions is None:
+            admin = self._admin()
+            md = retry_kafka_call(
+                lambda: admin.list_topics(self.topic, timeout=10), deadline_s=self.timeout_s, what="marker metadata"
+            )
+            t = md.topics.get(self.topic)
+            if t is None or t.error is not None or not t.partitions:
+                raise PartitionWriteFailed(
+                    f"marker topic {self.topic} is missing ({t.error if t is not None else 'no metadata'}); "
+                    "the driver creates it before the tasks run"
+                )
+            self._partitions = len(t.partitions)
+        return self._partitions
+
+    def partition_of(self, key: str) -> int:
+        return marker_partition(key, self.partitions())
+
+    def read(self, keys: Collection[str]) -> dict[str, PartitionMarker | Manifest | Plan]:
+        """The last committed record of each key (keys without one are absent).
+
+        The end is taken with read_uncommitted (the high watermark), then the partition is read with
+        read_committed until the position reaches it: stopping at the last stable offset instead
+        could miss a committed marker that sits behind another writer's open transaction.
+        """
+        by_partition: dict[int, set[str]] = {}
+        for key in keys:
+            by_partition.setdefault(self.partition_of(key), set()).add(key)
+        found: dict[str, PartitionMarker | Manifest | Plan] = {}
+        for partition, wanted in by_partition.items():
+            for key, raw in self._read_partition(partition, wanted).items():
+                record = decode(raw)
+                if record is not None:
+                    found[key] = record
+        return found
+
+    def _read_partition(self, partition: int, wanted: set[str]) -> dict[str, bytes | None]:
+        tp = TopicPartition(self.topic, partition)
+        admin = self._admin()
+
+        def end_offset() -> int:
+            futures = admin.list_offsets(
+                {tp: OffsetSpec.latest()}, isolation_level=IsolationLevel.READ_UNCOMMITTED, request_timeout=10
+            )
+            return int(futures[tp].result().offset)
+
+        end = retry_kafka_call(end_offset, deadline_s=self.timeout_s, what=f"end offset of {self.topic}[{partition}]")
+        latest: dict[str, bytes | None] = {}
+        if end <= 0:
+            return latest
+        consumer = Consumer(
+            consumer_config(
+                {**self.conn, "group.id": f"rk-spark-markers-{uuid.uuid4().hex}", "auto.offset.reset": "earliest"}
+            )
+        )
+        try:
+            consumer.assign([TopicPartition(self.topic, partition, OFFSET_BEGINNING)])
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                for msg in consumer.consume(num_messages=10_000, timeout=0.2):
+                    err = msg.error()
+                    if err is not None:
+                        if kafka_errors.classify(err) is kafka_errors.Disposition.RETRIABLE:
+                            continue
+                        raise KafkaException(err)
+                    raw_key = msg.key()
+                    key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key or "")
+                    if key in wanted:
+                        value = msg.value()
+                        latest[key] = value.encode() if isinstance(value, str) else value
+                position = consumer.position([TopicPartition(self.topic, partition)])[0].offset
+                if position >= end:
+                    return latest
+                if time.monotonic() > deadline:
+                    raise PartitionWriteFailed(
+                        f"reading markers of {self.topic}[{partition}] stopped at offset {position} of {end} "
+                        f"after {self.timeout_s:.0f}s: a transaction below the end stayed open"
+                    )
+        finally:
+            consumer.close()
+
+    def put(self, key: str, value: bytes) -> None:
+        """Write one record outside any transaction (plans and manifests), acknowledged by all in-sync replicas."""
+        errors: list[str] = []
+
+        def on_delivery(err: Any, _msg: Any) -> None:
+            if err is not None:
+                errors.append(kafka_errors.describe(err))
+
+        producer = Producer(producer_config({**self.conn, "linger.ms": 0}))
+        producer.produce(self.topic, value, key.encode(), self.partition_of(key), on_delivery=on_delivery)
+        left = producer.flush(self.timeout_s)
+        if left or errors:
+            raise PartitionWriteFailed(
+                f"could not write {key!r} to {self.topic}: {errors[0] if errors else 'not acknowledged in time'}"
+            )

@@ -1,0 +1,319 @@
+"""The Spark read path: one task per (topic, partition, offset range), read_committed, Spark's Kafka columns.
+
+A task reads until its consumer position reaches the range's end offset, so the offsets taken by
+transaction markers and aborted records never stall it, and it returns no record of an aborted
+transaction. With dedupByRkId it drops records whose rk-id it has already returned.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+import pyarrow as pa
+from confluent_kafka import (
+    OFFSET_INVALID,
+    TIMESTAMP_CREATE_TIME,
+    TIMESTAMP_LOG_APPEND_TIME,
+    Consumer,
+    IsolationLevel,
+    KafkaError,
+    TopicPartition,
+)
+from confluent_kafka.admin import AdminClient, OffsetSpec
+from pyspark.sql.datasource import DataSourceReader, InputPartition
+from pyspark.sql.types import StructType
+
+from reliable_kafka import kafka_errors
+from reliable_kafka.config import consumer_config
+from reliable_kafka.errors import ConfigError, ReadIncomplete
+from reliable_kafka.ids import ID_HEADER
+from reliable_kafka.retry import retry_kafka_call
+from reliable_kafka.spark.markers import connection_settings
+from reliable_kafka.spark.options import EARLIEST, LATEST, ReaderOptions
+
+log = logging.getLogger(__name__)
+
+# The columns of Spark's own Kafka source, in its order (headers only with includeHeaders=true).
+BASE_SCHEMA = (
+    "key binary, value binary, topic string, partition int, offset long, timestamp timestamp, timestampType int"
+)
+HEADERS_FIELD = "headers array<struct<key: string, value: binary>>"
+
+_ARROW_FIELDS = [
+    pa.field("key", pa.binary()),
+    pa.field("value", pa.binary()),
+    pa.field("topic", pa.string()),
+    pa.field("partition", pa.int32()),
+    pa.field("offset", pa.int64()),
+    pa.field("timestamp", pa.timestamp("us", tz="UTC")),
+    pa.field("timestampType", pa.int32()),
+]
+_ARROW_HEADERS = pa.field(
+    "headers", pa.list_(pa.struct([pa.field("key", pa.string()), pa.field("value", pa.binary())]))
+)
+# Java's TimestampType ids, which Spark's Kafka source reports.
+_TIMESTAMP_TYPE = {TIMESTAMP_CREATE_TIME: 0, TIMESTAMP_LOG_APPEND_TIME: 1}
+_CALL_TIMEOUT_S = 30.0
+
+
+def schema_ddl(include_headers: bool) -> str:
+    return f"{BASE_SCHEMA}, {HEADERS_FIELD}" if include_headers else BASE_SCHEMA
+
+
+@dataclass(frozen=True)
+class OffsetRange(InputPartition):
+    """Records [start, end) of one topic partition: what one Spark task reads."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+
+# ---- planning (driver) -----------------------------------------------------------------------------
+
+
+def _selected_partitions(options: ReaderOptions, admin: AdminClient) -> list[TopicPartition]:
+    md = retry_kafka_call(lambda: admin.list_topics(timeout=10), deadline_s=_CALL_TIMEOUT_S, what="list topics")
+    topics = md.topics
+    if options.assign:
+        wanted = options.assign
+    elif options.subscribe_pattern is not None:
+        pattern = re.compile(options.subscribe_pattern)
+        wanted = {name: sorted(t.partitions) for name, t in topics.items()
+                  if pattern.fullmatch(name) and not name.startswith("__")}
+    else:
+        wanted = {}
+        for name in options.subscribe:
+            if name not in topics or topics[name].error is not None:
+                raise ConfigError("subscribe", f"topic {name!r} does not exist")
+            wanted[name] = sorted(topics[name].partitions)
+    out = []
+    for name, partitions in sorted(wanted.items()):
+        known = topics.get(name)
+        for p in partitions:
+            if known is None or p not in known.partitions:
+                raise ConfigError("assign", f"{name}[{p}] does not exist")
+            out.append(TopicPartition(name, p))
+    return out
+
+
+def _list_offsets(admin: AdminClient, tps: list[TopicPartition], spec: OffsetSpec) -> dict[tuple[str, int], int]:
+    def call() -> dict[tuple[str, int], int]:
+        futures = admin.list_offsets(
+            {tp: spec for tp in tps}, isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=10
+        )
+        return {(tp.topic, tp.partition): int(f.result().offset) for tp, f in futures.items()}
+
+    return retry_kafka_call(call, deadline_s=_CALL_TIMEOUT_S, what="list offsets") if tps else {}
+
+
+def _committed(options: ReaderOptions, tps: list[TopicPartition]) -> dict[tuple[str, int], int]:
+    settings = consumer_config({**connection_settings(options.kafka), "group.id": options.group_id})
+    consumer = Consumer(settings)
+    try:
+        found = retry_kafka_call(
+            lambda: consumer.committed([TopicPartition(tp.topic, tp.partition) for tp in tps], timeout=10),
+            deadline_s=_CALL_TIMEOUT_S, what="committed offsets",
+        )
+    finally:
+        consumer.close()
+    return {(tp.topic, tp.partition): tp.offset for tp in found if tp.offset >= 0}
+
+
+def _from_json(raw: str) -> dict[tuple[str, int], int]:
+    return {(topic, int(p)): int(o) for topic, parts in json.loads(raw).items() for p, o in parts.items()}
+
+
+def _pick(
+    spec: str,
+    default: int,
+    earliest: dict[tuple[str, int], int],
+    latest: dict[tuple[str, int], int],
+    committed: dict[tuple[str, int], int],
+) -> dict[tuple[str, int], int]:
+    """Offsets per partition for one offset option (a JSON map falls back to `default` per partition)."""
+    if spec == "committed":
+        # A partition the group never committed starts at the beginning, as auto.offset.reset=earliest.
+        return {key: committed.get(key, earliest[key]) for key in earliest}
+    given = _from_json(spec) if spec.startswith("{") else {}
+    base = EARLIEST if spec == "earliest" else LATEST if spec == "latest" else default
+    out = {}
+    for key in earliest:
+        offset = given.get(key, base)
+        out[key] = earliest[key] if offset == EARLIEST else latest[key] if offset == LATEST else offset
+    return out
+
+
+def resolve_ranges(options: ReaderOptions) -> list[OffsetRange]:
+    """Turn the offset options into concrete ranges (empty ones included), once, on the driver.
+
+    "latest" is the last stable offset (read_committed): the end of what is committed now.
+    """
+    admin = AdminClient(connection_settings(options.kafka))
+    tps = _selected_partitions(options, admin)
+    earliest = _list_offsets(admin, tps, OffsetSpec.earliest())
+    latest = _list_offsets(admin, tps, OffsetSpec.latest())
+
+    committed = _committed(options, tps) if options.starting_offsets == "committed" else {}
+    starts = _pick(options.starting_offsets, EARLIEST, earliest, latest, committed)
+    ends = _pick(options.ending_offsets, LATEST, earliest, latest, {})
+    ranges = []
+    for (topic, partition), start in sorted(starts.items()):
+        end = ends[(topic, partition)]
+        if start > end:
+            raise ConfigError(
+                "startingOffsets", f"{topic}[{partition}] starts at {start}, after its end offset {end}"
+            )
+        ranges.append(OffsetRange(topic, partition, start, end))
+    return ranges
+
+
+def offsets_json(ranges: list[OffsetRange], which: str) -> str:
+    """A JSON offset map (Spark's format) of the ranges' start or end offsets."""
+    out: dict[str, dict[str, int]] = {}
+    for r in ranges:
+        out.setdefault(r.topic, {})[str(r.partition)] = r.start if which == "start" else r.end
+    return json.dumps(out)
+
+
+# ---- reading (tasks) -------------------------------------------------------------------------------
+
+
+class _Columns:
+    def __init__(self, include_headers: bool) -> None:
+        self.include_headers = include_headers
+        self.clear()
+
+    def clear(self) -> None:
+        self.keys: list[bytes | None] = []
+        self.values: list[bytes | None] = []
+        self.offsets: list[int] = []
+        self.timestamps: list[int | None] = []
+        self.timestamp_types: list[int] = []
+        self.headers: list[Any] = []
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def batch(self, r: OffsetRange) -> pa.RecordBatch:
+        n = len(self.offsets)
+        arrays = [
+            pa.array(self.keys, pa.binary()),
+            pa.array(self.values, pa.binary()),
+            pa.array([r.topic] * n, pa.string()),
+            pa.array([r.partition] * n, pa.int32()),
+            pa.array(self.offsets, pa.int64()),
+            pa.array(self.timestamps, pa.timestamp("us", tz="UTC")),
+            pa.array(self.timestamp_types, pa.int32()),
+        ]
+        fields = list(_ARROW_FIELDS)
+        if self.include_headers:
+            arrays.append(pa.array(self.headers, _ARROW_HEADERS.type))
+            fields.append(_ARROW_HEADERS)
+        return pa.RecordBatch.from_arrays(arrays, schema=pa.schema(fields))
+
+
+def read_range(options: ReaderOptions, r: OffsetRange) -> Iterator[pa.RecordBatch]:
+    """Every committed record of [r.start, r.end), as Arrow batches of at most maxBatchRows rows."""
+    if r.start >= r.end:
+        return
+    consumer = Consumer(options.consumer_settings())
+    seen: set[bytes] = set()
+    columns = _Columns(options.include_headers)
+    dropped = 0
+    try:
+        consumer.assign([TopicPartition(r.topic, r.partition, r.start)])
+        tp = [TopicPartition(r.topic, r.partition)]
+        deadline = time.monotonic() + options.read_timeout_s
+        position = r.start
+        while position < r.end:
+            for msg in consumer.consume(num_messages=options.max_batch_rows, timeout=0.5):
+                err = msg.error()
+                if err is not None:
+                    _raise_unless_transient(err, r)
+                    continue
+                offset = msg.offset()
+                if offset is None or offset >= r.end:
+                    continue
+                headers = cast("list[tuple[str, bytes | None]] | None", msg.headers())
+                if options.dedup_by_rk_id:
+                    rk_id = _rk_id(headers)
+                    if rk_id is not None:
+                        if rk_id in seen:
+                            dropped += 1
+                            continue
+                        seen.add(rk_id)
+                columns.keys.append(cast("bytes | None", msg.key()))
+                columns.values.append(cast("bytes | None", msg.value()))
+                columns.offsets.append(offset)
+                ts_type, ts = msg.timestamp()
+                columns.timestamps.append(ts * 1000 if ts_type in _TIMESTAMP_TYPE else None)
+                columns.timestamp_types.append(_TIMESTAMP_TYPE.get(ts_type, -1))
+                if options.include_headers:
+                    columns.headers.append([{"key": k, "value": v} for k, v in headers] if headers else None)
+            # The position, not the last record, says how far the range is read: commit markers
+            # and aborted records occupy offsets that a read_committed consumer never returns.
+            now = consumer.position(tp)[0].offset
+            if now != OFFSET_INVALID:
+                position = max(position, now)
+            if len(columns) >= options.max_batch_rows:
+                yield columns.batch(r)
+                columns.clear()
+            if position < r.end and time.monotonic() > deadline:
+                raise ReadIncomplete(
+                    f"{r.topic}[{r.partition}]: reached offset {position} of [{r.start}, {r.end}) in "
+                    f"{options.read_timeout_s:.0f}s (readTimeoutSeconds); is the leader up, or is a "
+                    "transaction below the end offset still open?"
+                )
+        if len(columns):
+            yield columns.batch(r)
+    finally:
+        consumer.close()
+    if dropped:
+        log.info("%s[%d]: dropped %d duplicate rk-id(s)", r.topic, r.partition, dropped)
+
+
+def _rk_id(headers: list[tuple[str, bytes | None]] | None) -> bytes | None:
+    found = None
+    for key, value in headers or ():
+        if key == ID_HEADER:
+            found = value
+    return found
+
+
+def _raise_unless_transient(err: KafkaError, r: OffsetRange) -> None:
+    code = err.code()
+    if code in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
+        raise ReadIncomplete(
+            f"{r.topic}[{r.partition}]: offset {r.start} is no longer in the log ({err.str()}): "
+            "retention deleted records this read was asked for"
+        )
+    if kafka_errors.classify(err) in (kafka_errors.Disposition.RETRIABLE, kafka_errors.Disposition.COORDINATOR):
+        log.warning("%s[%d]: %s; still reading", r.topic, r.partition, kafka_errors.describe(err))
+        return
+    raise ReadIncomplete(f"{r.topic}[{r.partition}]: {kafka_errors.describe(err)}")
+
+
+class KafkaReader(DataSourceReader):
+    """The DataSourceReader Spark runs: ranges planned on the driver, read in tasks."""
+
+    def __init__(self, options: ReaderOptions, schema: StructType) -> None:
+        self.options = options
+        self.schema = schema
+
+    def partitions(self) -> list[InputPartition]:
+        ranges: list[InputPartition] = [r for r in resolve_ranges(self.options) if r.start < r.end]
+        # Spark wants at least one partition; an empty range reads nothing.
+        return ranges or [OffsetRange(f"rk-empty-{uuid.uuid4().hex[:6]}", 0, 0, 0)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, OffsetRange)
+        return read_range(self.options, partition)

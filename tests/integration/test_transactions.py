@@ -1,0 +1,242 @@
+"""TransactionalProcessor on the real cluster, modelled on Kafka's own TransactionsTest.
+
+Copier processes are SIGKILLed mid-copy, then brokers are; the output, read with read_committed by an
+independent reader and by one that runs during the whole copy, must hold every input exactly once and
+in per-key order. An at-least-once control copier, killed the same way, shows the fault bites.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
+
+from reliable_kafka.errors import TransactionFenced
+from reliable_kafka.lab.eos_copier_bounce import CopierProcess, group_lag, kill_rounds, seed_input
+from reliable_kafka.testing import LocalKafkaCluster, consume_all
+from reliable_kafka.testing.verify import verdict
+from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+log = logging.getLogger(__name__)
+
+MESSAGES = 10_000
+
+
+class CommittedReader:
+    """A read_committed reader that runs during the whole copy (Kafka's concurrent consumer check)."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": f"reader-{uuid.uuid4().hex[:8]}",
+                                   "isolation.level": "read_committed", "enable.auto.commit": False})
+        self._parts = [TopicPartition(topic, p, OFFSET_BEGINNING) for p in range(partitions)]
+        self._stop = threading.Event()
+        self.values: list[bytes] = []
+        self._thread = threading.Thread(target=self._run, daemon=True, name="committed-reader")
+
+    def start(self) -> CommittedReader:
+        self._consumer.assign(self._parts)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for msg in self._consumer.consume(500, 0.2):
+                if msg.error() is None:
+                    self.values.append(msg.value() or b"")
+
+    def drain(self, timeout: float = 60.0) -> list[bytes]:
+        """Stop following and read on to the end of every partition; returns everything read."""
+        self._stop.set()
+        self._thread.join(30)
+        ends = {tp.partition: self._consumer.get_watermark_offsets(tp, timeout=10, cached=False)[1]
+                for tp in self._parts}
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            positions = self._consumer.position([TopicPartition(tp.topic, tp.partition) for tp in self._parts])
+            if all(tp.offset >= ends[tp.partition] for tp in positions if ends[tp.partition] > 0):
+                break
+            for msg in self._consumer.consume(500, 0.2):
+                if msg.error() is None:
+                    self.values.append(msg.value() or b"")
+        self._consumer.close()
+        return self.values
+
+
+def copier(kafka: LocalKafkaCluster, mode: str, source: str, output: str, group: str, instance: str,
+           delay_ms: float) -> CopierProcess:
+    return CopierProcess(
+        ["--mode", mode, "--bootstrap", kafka.bootstrap_servers, "--input", source, "--output", output,
+         "--group", group, "--instance", instance, "--delay-ms", str(delay_ms)],
+        name=f"{mode}-{instance}",
+    )
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
+        time.sleep(0.5)
+
+
+def assert_exactly_once_in_key_order(kafka: LocalKafkaCluster, output: str, values: Sequence[bytes]) -> int:
+    """Output == input, no duplicates, each key's records in input order; returns the aborted record count."""
+    msgs = list(consume_all(kafka.bootstrap_servers, output))
+    v = verdict(values, [m.value() or b"" for m in msgs])
+    assert (v.lost, v.duplicates, v.consumed) == (0, 0, len(values)), v
+    per_key: dict[bytes, list[int]] = defaultdict(list)
+    for m in sorted(msgs, key=lambda m: (m.partition(), m.offset())):
+        key, _, seq = (m.value() or b"").partition(b":")
+        assert m.key() == key
+        per_key[key].append(int(seq))
+    out_of_order = [k for k, seqs in per_key.items() if seqs != sorted(seqs)]
+    assert not out_of_order, f"keys whose records were reordered: {out_of_order[:5]}"
+    everything = sum(1 for _ in consume_all(kafka.bootstrap_servers, output, isolation_level="read_uncommitted"))
+    return everything - len(msgs)
+
+
+def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka, make_topic) -> None:
+    bs = kafka.bootstrap_servers
+    source = make_topic(partitions=2, prefix="eos-in")
+    output, control_output = make_topic(partitions=3, prefix="eos-out"), make_topic(partitions=3, prefix="ctl-out")
+    values = seed_input(bs, source, MESSAGES)
+    groups = {"eos": f"eos-{uuid.uuid4().hex[:6]}", "control": f"ctl-{uuid.uuid4().hex[:6]}"}
+    eos = [copier(kafka, "eos", source, output, groups["eos"], f"c{i}", 1.5) for i in range(2)]
+    control = [copier(kafka, "control", source, control_output, groups["control"], f"c{i}", 1.5) for i in range(2)]
+
+    def done() -> bool:
+        return all(group_lag(bs, g, source) == 0 for g in groups.values())
+
+    reader = CommittedReader(bs, output, 3).start()
+    try:
+        for c in eos + control:
+            c.start()
+        for _ in kill_rounds(eos + control, rounds=3, at_progress=0.2, finished=done, deadline_s=180):
+            pass
+        wait_until(done, 120, "both copies to finish")
+    finally:
+        exit_codes = [c.stop() for c in eos + control]
+        seen = reader.drain()
+    assert exit_codes == [0, 0, 0, 0], [c.events("failed") + c.events("fenced") for c in eos]
+    assert [c.kills for c in eos] == [3, 3], "every processor must be SIGKILLed 3 times mid-copy"
+
+    aborted = assert_exactly_once_in_key_order(kafka, output, values)
+    concurrent = verdict(values, seen)
+    assert (concurrent.lost, concurrent.duplicates) == (0, 0), f"the concurrent read_committed reader: {concurrent}"
+    assert aborted > 0, "the kills left no aborted transaction behind: the test proved nothing"
+    ctl = verdict(values, [m.value() or b"" for m in consume_all(bs, control_output)])
+    log.info("exactly-once copy: %d records, %d aborted records hidden; control: %s", len(values), aborted, ctl)
+    assert ctl.lost == 0, ctl
+    assert ctl.duplicates > 0, f"the at-least-once control copier wrote no duplicates: {ctl}"
+
+
+def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing(kafka, make_topic) -> None:
+    bs = kafka.bootstrap_servers
+    source = make_topic(partitions=2, prefix="eos-in")
+    output = make_topic(partitions=3, prefix="eos-out")
+    # The input arrives in four parts, one before each broker bounce, so every bounce hits a running copy
+    # however long a broker takes to come back on this host.
+    part = MESSAGES // 4
+    values = seed_input(bs, source, part)
+    group = f"eos-{uuid.uuid4().hex[:6]}"
+    eos = [copier(kafka, "eos", source, output, group, f"c{i}", 2.0) for i in range(2)]
+    reader = CommittedReader(bs, output, 3).start()
+    bounced_mid_copy = 0
+    try:
+        for c in eos:
+            c.start()
+        wait_until(lambda: all(c.progress > 0 for c in eos), 60, "both copiers to commit")
+        for node in kafka.node_ids:
+            values += seed_input(bs, source, part, start=len(values))
+            time.sleep(0.5)  # the copiers are at it
+            bounced_mid_copy += group_lag(bs, group, source) > 0
+            kafka.kill(node)
+            wait_until(lambda: node not in kafka.registered_brokers(), 30, f"node {node} to be fenced")  # noqa: B023
+            kafka.start_node(node)
+            kafka.wait_healthy()
+        wait_until(lambda: group_lag(bs, group, source) == 0, 180, "the copy to finish")
+    finally:
+        exit_codes = [c.stop() for c in eos]
+        seen = reader.drain()
+    assert exit_codes == [0, 0], [c.events("failed") + c.events("fenced") for c in eos]
+    assert bounced_mid_copy == 3, f"only {bounced_mid_copy} broker bounce(s) hit the copy while it ran"
+    aborted = assert_exactly_once_in_key_order(kafka, output, values)
+    log.info("%d records, 3 broker bounces mid-copy; %d aborted records hidden", len(values), aborted)
+    concurrent = verdict(values, seen)
+    assert (concurrent.lost, concurrent.duplicates) == (0, 0), f"the concurrent read_committed reader: {concurrent}"
+
+
+def test_a_zombie_with_the_same_transactional_id_is_fenced_and_writes_nothing_after(kafka, make_topic) -> None:
+    bs = kafka.bootstrap_servers
+    source = make_topic(partitions=2, prefix="zombie-in")
+    output = make_topic(partitions=3, prefix="zombie-out")
+    values = seed_input(bs, source, 2_000)
+    tid, group = f"zombie-{uuid.uuid4().hex[:6]}", f"zombie-{uuid.uuid4().hex[:6]}"
+    stalled, resume, fenced = threading.Event(), threading.Event(), threading.Event()
+    old_committed = threading.Event()
+    since_commit = [0]
+    calls_after_fence = [0]
+
+    def transform_of(writer: str) -> Callable[[Message], list[OutputRecord]]:
+        def transform(msg: Message) -> list[OutputRecord]:
+            time.sleep(0.002)  # several transactions' worth of work, not one
+            if writer == "old" and old_committed.is_set() and not stalled.is_set():
+                since_commit[0] += 1
+                if since_commit[0] == 50:
+                    stalled.set()  # a long GC pause, in the middle of a transaction
+                    resume.wait(60)
+            tag = writer
+            if writer == "old" and fenced.is_set():
+                calls_after_fence[0] += 1
+                tag = "old-after-fence"
+            return [OutputRecord(output, msg.value(), msg.key(), [("writer", tag.encode())])]
+        return transform
+
+    def processor(writer: str) -> TransactionalProcessor:
+        return TransactionalProcessor(
+            {"bootstrap.servers": bs}, group_id=group, input_topics=[source], transform=transform_of(writer),
+            transactional_id=tid, consumer_overrides={"session.timeout.ms": 6000},
+            on_commit=lambda _info: old_committed.set() if writer == "old" else None,
+        )
+
+    old, new = processor("old"), processor("new")
+    outcome: dict[str, BaseException | None] = {}
+
+    def run(name: str, p: TransactionalProcessor) -> None:
+        try:
+            with p:
+                p.run()
+            outcome[name] = None
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            outcome[name] = exc
+
+    old_thread = threading.Thread(target=run, args=("old", old), daemon=True)
+    old_thread.start()
+    assert stalled.wait(60), "the old instance never reached its stall"
+    assert old.stats().outputs_committed > 0, "the old instance should have committed before it stalled"
+    new.start()  # init_transactions: bumps the epoch, aborts the old instance's open transaction
+    fenced.set()
+    resume.set()
+    new_thread = threading.Thread(target=run, args=("new", new), daemon=True)
+    new_thread.start()
+    old_thread.join(60)
+    assert isinstance(outcome.get("old"), TransactionFenced), outcome.get("old")
+    wait_until(lambda: group_lag(bs, group, source) == 0, 90, "the new instance to finish the copy")
+    new.stop()
+    new_thread.join(60)
+    assert outcome.get("new") is None, outcome.get("new")
+
+    msgs = list(consume_all(bs, output))
+    v = verdict(values, [m.value() or b"" for m in msgs])
+    assert (v.lost, v.duplicates) == (0, 0), v
+    writers = [dict(m.headers() or [])["writer"] for m in msgs]
+    assert calls_after_fence[0] > 0, "the zombie never tried to write after it was fenced"
+    assert writers.count(b"old-after-fence") == 0, "the fenced instance's writes became visible"
+    assert writers.count(b"old") == old.stats().outputs_committed, "visible old records != what it committed"
+    assert writers.count(b"new") == new.stats().outputs_committed > 0

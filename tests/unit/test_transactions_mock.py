@@ -1,0 +1,314 @@
+"""TransactionalProcessor's error paths against the librdkafka mock cluster, plus its error table.
+
+The mock injects errors and slow responses on InitProducerId, AddPartitionsToTxn, TxnOffsetCommit and
+EndTxn; each test shows the processor doing what next_step() says: retry coordinator errors without
+aborting, abort and rewind what is abortable, recreate the producer when a commit's outcome is unknown,
+stop when fenced. The mock is not Kafka (it does not store transactional offsets, nor enforce
+read_committed): exactly-once itself is proven on the real cluster in tests/integration.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+
+from reliable_kafka.config import transactional_producer_config
+from reliable_kafka.errors import ConfigError, TransactionFailed, TransactionFenced
+from reliable_kafka.testing.mock import MockCluster
+from reliable_kafka.transactions import (
+    OutputRecord,
+    ProcessorStats,
+    TransactionalProcessor,
+    TxnStep,
+    next_step,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+N = 100
+TXN_COORDINATOR, GROUP_COORDINATOR, LEADER = 3, 2, 1
+COORDINATOR_ERRORS = [KafkaError.NOT_COORDINATOR, KafkaError.CONCURRENT_TRANSACTIONS,
+                      KafkaError.COORDINATOR_NOT_AVAILABLE]
+
+
+@pytest.fixture
+def mock() -> Iterator[MockCluster]:
+    with MockCluster(brokers=3) as cluster:
+        yield cluster
+
+
+class Copy:
+    """A TransactionalProcessor copying one mock topic to another in a thread, with the request counts
+    librdkafka's statistics report, and the transaction and partition leaders on brokers of their own
+    (so one of them can be slowed down alone)."""
+
+    def __init__(self, mock: MockCluster, timeout_s: float = 2.0) -> None:
+        self.mock = mock
+        suffix = uuid.uuid4().hex[:6]
+        self.source, self.output = f"in-{suffix}", f"out-{suffix}"
+        self.tid, self.group = f"tx-{suffix}", f"g-{suffix}"
+        for topic in (self.source, self.output):
+            mock.create_topic(topic, 1)
+            mock.set_leader(topic, 0, LEADER)
+        mock.set_coordinator("transaction", self.tid, TXN_COORDINATOR)
+        mock.set_coordinator("group", self.group, GROUP_COORDINATOR)
+        self.committed = 0
+        self.error: BaseException | None = None
+        self._requests: dict[str, int] = {}
+        self._feeder = Producer({"bootstrap.servers": mock.bootstrap_servers})
+        self.processor = TransactionalProcessor(
+            {"bootstrap.servers": mock.bootstrap_servers},
+            group_id=self.group,
+            input_topics=[self.source],
+            transform=lambda msg: [OutputRecord(self.output, msg.value(), msg.key())],
+            transactional_id=self.tid,
+            operation_timeout_s=timeout_s,
+            on_commit=self._on_commit,
+            producer_overrides={"statistics.interval.ms": 100, "stats_cb": self._on_stats},
+        )
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _on_commit(self, info: Any) -> None:
+        self.committed += info.messages
+
+    def _on_stats(self, raw: str) -> None:
+        counts: dict[str, int] = {}
+        for broker in json.loads(raw)["brokers"].values():
+            for api, n in broker["req"].items():
+                counts[api] = counts.get(api, 0) + n
+        self._requests = counts
+
+    def _run(self) -> None:
+        try:
+            with self.processor:
+                self.processor.run()
+        except BaseException as exc:  # the test inspects it
+            self.error = exc
+
+    def feed(self, n: int = N) -> None:
+        for i in range(n):
+            self._feeder.produce(self.source, f"v-{i}".encode())
+        assert self._feeder.flush(10) == 0
+
+    def start(self) -> Copy:
+        self._thread.start()
+        return self
+
+    def wait(self, condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.error is None, f"the processor stopped while waiting for {what}: {self.error!r}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}; stats {self.stats}"
+            time.sleep(0.05)
+
+    def wait_committed(self, n: int) -> None:
+        self.wait(lambda: self.committed >= n, f"{n} committed input records")
+
+    def requests(self, api: str) -> int:
+        return self._requests.get(api, 0)
+
+    @property
+    def stats(self) -> ProcessorStats:
+        return self.processor.stats()
+
+    def finish(self) -> ProcessorStats:
+        self.processor.stop()
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "run() did not return after stop()"
+        return self.stats
+
+    def join(self) -> None:
+        """Wait for run() to end by itself (it raised)."""
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "run() did not stop"
+
+
+def counts_requests_afterwards(copy: Copy) -> None:
+    """One more batch later on: librdkafka's statistics (every 100 ms) then include the faulty requests."""
+    time.sleep(0.3)
+    done = copy.committed
+    copy.feed()
+    copy.wait_committed(done + N)
+
+
+# ---- retriable: coordinator errors are retried, nothing is aborted -------------------------------
+
+
+@pytest.mark.parametrize("api", ["InitProducerId", "AddPartitionsToTxn", "TxnOffsetCommit", "EndTxn"])
+def test_coordinator_errors_are_retried_without_aborting(mock: MockCluster, api: str) -> None:
+    copy = Copy(mock)
+    copy.feed()
+    mock.push_request_errors(api, COORDINATOR_ERRORS)  # NOT_COORDINATOR, CONCURRENT_..., COORDINATOR_NOT_AVAILABLE
+    copy.start().wait_committed(N)
+    counts_requests_afterwards(copy)
+    stats = copy.finish()
+    assert copy.error is None
+    assert copy.requests(api) >= len(COORDINATOR_ERRORS) + 1, f"the {api} errors were never met"
+    assert (stats.transactions_aborted, stats.producer_recreations, stats.rewinds) == (0, 0, 0), stats
+
+
+# ---- slow responses past the operation timeout ---------------------------------------------------
+
+
+def test_slow_init_producer_id_is_retried(mock: MockCluster, caplog: pytest.LogCaptureFixture) -> None:
+    copy = Copy(mock)
+    copy.feed()
+    mock.set_rtt(TXN_COORDINATOR, 2_500)  # every answer of the transaction coordinator outlasts the 2 s timeout
+    copy.start()
+    copy.wait(lambda: any("init_transactions" in r.getMessage() and "retrying" in r.getMessage()
+                          for r in caplog.records), "init_transactions to time out and be retried")
+    mock.set_rtt(TXN_COORDINATOR, 0)
+    copy.wait_committed(N)
+    stats = copy.finish()
+    assert copy.error is None
+    assert (stats.transactions_aborted, stats.producer_recreations) == (0, 0), stats
+
+
+@pytest.mark.parametrize("api", ["AddPartitionsToTxn", "EndTxn"])
+def test_a_commit_past_its_timeout_has_an_unknown_outcome_so_the_producer_is_recreated(
+    mock: MockCluster, api: str
+) -> None:
+    copy = Copy(mock)
+    copy.feed()
+    copy.start().wait_committed(N)
+    # Each answer of the coordinator takes 1.2 s, and the first two are "try again": the request takes
+    # well over the 2 s commit timeout, while AddOffsetsToTxn alone (1.2 s) still fits.
+    mock.set_rtt(TXN_COORDINATOR, 1_200)
+    mock.push_request_errors(api, [KafkaError.CONCURRENT_TRANSACTIONS] * 2)
+    copy.feed()
+    copy.wait(lambda: copy.stats.producer_recreations >= 1, "the producer to be recreated")
+    mock.set_rtt(TXN_COORDINATOR, 0)
+    copy.wait_committed(2 * N)
+    stats = copy.finish()
+    assert copy.error is None
+    assert stats.producer_recreations == 1 and stats.rewinds >= 1, stats
+
+
+def test_txn_offset_commit_past_its_timeout_aborts_and_rewinds(mock: MockCluster) -> None:
+    copy = Copy(mock)
+    copy.feed()
+    copy.start().wait_committed(N)
+    mock.set_rtt(GROUP_COORDINATOR, 1_200)
+    mock.push_request_errors("TxnOffsetCommit", [KafkaError.CONCURRENT_TRANSACTIONS] * 2)
+    copy.feed()
+    copy.wait(lambda: copy.stats.transactions_aborted >= 1, "the transaction to be aborted")
+    mock.set_rtt(GROUP_COORDINATOR, 0)
+    copy.wait_committed(2 * N)
+    stats = copy.finish()
+    assert copy.error is None
+    assert stats.rewinds >= 1 and stats.producer_recreations == 0, stats
+
+
+# ---- abortable and fatal ---------------------------------------------------------------------------
+
+
+def test_a_stale_group_generation_aborts_the_transaction_and_rewinds(mock: MockCluster) -> None:
+    copy = Copy(mock)
+    copy.feed()
+    mock.push_request_errors("TxnOffsetCommit", [KafkaError.ILLEGAL_GENERATION])  # KIP-447 zombie fencing
+    copy.start()
+    copy.wait(lambda: copy.stats.transactions_aborted >= 1, "the transaction to be aborted")
+    copy.wait_committed(N)  # read again from the committed offsets, and committed this time
+    stats = copy.finish()
+    assert copy.error is None
+    assert stats.rewinds >= 1 and stats.producer_recreations == 0, stats
+
+
+def test_fenced_at_commit_stops_with_transaction_fenced(mock: MockCluster) -> None:
+    copy = Copy(mock)
+    copy.feed()
+    mock.push_request_errors("EndTxn", [KafkaError.PRODUCER_FENCED])
+    copy.start().join()
+    assert isinstance(copy.error, TransactionFenced), repr(copy.error)
+    assert "fenced" in str(copy.error) and copy.tid in str(copy.error)
+    assert copy.committed == 0 and copy.stats.producer_recreations == 0
+
+
+def test_a_fatal_init_error_stops_with_transaction_failed(mock: MockCluster) -> None:
+    copy = Copy(mock)
+    mock.push_request_errors("InitProducerId", [KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED])
+    copy.start().join()
+    assert isinstance(copy.error, TransactionFailed) and not isinstance(copy.error, TransactionFenced), copy.error
+    assert "TRANSACTIONAL_ID_AUTHORIZATION_FAILED" in str(copy.error)
+
+
+# ---- the table itself -------------------------------------------------------------------------------
+
+
+def _err(code: int, **flags: bool) -> KafkaException:
+    return KafkaException(KafkaError(code, "test", **flags))
+
+
+@pytest.mark.parametrize(
+    ("operation", "error", "step"),
+    [
+        ("send_offsets_to_transaction", _err(KafkaError.NOT_COORDINATOR, retriable=True), TxnStep.RETRY),
+        ("send_offsets_to_transaction", _err(KafkaError.CONCURRENT_TRANSACTIONS), TxnStep.RETRY),
+        ("init_transactions", _err(KafkaError.COORDINATOR_NOT_AVAILABLE, retriable=True), TxnStep.RETRY),
+        ("send_offsets_to_transaction", _err(KafkaError.ILLEGAL_GENERATION, txn_requires_abort=True),
+         TxnStep.ABORT),
+        ("commit_transaction", _err(KafkaError._INCONSISTENT, txn_requires_abort=True), TxnStep.ABORT),
+        ("commit_transaction", _err(KafkaError._TIMED_OUT, retriable=True), TxnStep.RECREATE),
+        ("commit_transaction", _err(KafkaError._TRANSPORT, retriable=True), TxnStep.RECREATE),
+        ("commit_transaction", _err(KafkaError.NOT_COORDINATOR, retriable=True), TxnStep.RETRY),
+        ("commit_transaction", _err(KafkaError._FENCED, fatal=True), TxnStep.STOP),
+        ("abort_transaction", _err(KafkaError._TIMED_OUT, retriable=True), TxnStep.RETRY),
+        ("abort_transaction", _err(KafkaError._STATE), TxnStep.RETRY),
+        ("abort_transaction", _err(KafkaError.TOPIC_AUTHORIZATION_FAILED), TxnStep.RECREATE),
+        ("produce", _err(KafkaError._STATE), TxnStep.ABORT),
+        ("produce", _err(KafkaError._FATAL, fatal=True), TxnStep.ABORT),
+        ("init_transactions", _err(KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, fatal=True), TxnStep.STOP),
+    ],
+    ids=lambda v: v.name if isinstance(v, TxnStep) else None,
+)
+def test_next_step(operation: str, error: KafkaException, step: TxnStep) -> None:
+    assert next_step(operation, error) is step
+
+
+def test_transactional_config_is_checked_in_the_one_place() -> None:
+    cfg = transactional_producer_config({"bootstrap.servers": "b:9092"}, "tx-1")
+    assert cfg["transactional.id"] == "tx-1" and cfg["acks"] == "all" and cfg["enable.idempotence"] is True
+    assert int(cfg["message.timeout.ms"]) <= int(cfg["transaction.timeout.ms"])
+    with pytest.raises(ConfigError, match="message.timeout.ms"):
+        transactional_producer_config(
+            {"bootstrap.servers": "b:9092", "transaction.timeout.ms": 10_000, "delivery.timeout.ms": 20_000}, "tx"
+        )
+    with pytest.raises(ConfigError, match="transactional.id"):
+        transactional_producer_config({"bootstrap.servers": "b:9092"}, " ")
+    with pytest.raises(ConfigError, match="acks"):
+        transactional_producer_config({"bootstrap.servers": "b:9092", "acks": 1}, "tx")
+    with pytest.raises(ConfigError, match="isolation.level"):
+        TransactionalProcessor({"bootstrap.servers": "b:9092"}, group_id="g", input_topics=["t"],
+                               transform=lambda m: [], transactional_id="tx",
+                               consumer_overrides={"isolation.level": "read_uncommitted"})
+
+
+def test_outputs_carry_a_deterministic_rk_id(mock: MockCluster) -> None:
+    copy = Copy(mock)
+    copy.feed(5)
+    copy.start().wait_committed(5)
+    copy.finish()
+    reader = _reader(mock, copy.output)
+    ids = [dict(m.headers() or [])["rk-id"] for m in reader]
+    assert ids == [f"{copy.source}/0/{i}:0".encode() for i in range(5)]
+
+
+def _reader(mock: MockCluster, topic: str) -> list[Message]:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": mock.bootstrap_servers, "group.id": f"r-{uuid.uuid4().hex[:6]}"})
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    out: list[Message] = []
+    deadline = time.monotonic() + 10
+    while len(out) < 5 and time.monotonic() < deadline:
+        out += [m for m in consumer.consume(10, 0.5) if m.error() is None]
+    consumer.close()
+    return out
+
