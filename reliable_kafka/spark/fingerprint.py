@@ -71,12 +71,6 @@ class Fingerprint:
             total.update(self._streams[name].copy().digest())
         return total.hexdigest()
 
-    def copy(self) -> Fingerprint:
-        twin = Fingerprint(self._seed)
-        twin._streams = {name: stream.copy() for name, stream in self._streams.items()}
-        twin.rows = self.rows
-        return twin
-
 
 def _data(column: pa.Array) -> bytes | memoryview:
     """The concatenated bytes of the non-null rows of a binary or string column."""

@@ -112,10 +112,6 @@ class WriterOptions:
     # Test-only fault injection (see docs/spark.md): None in every real job.
     fail_first_attempt_after_rows: int | None = None
 
-    @property
-    def bootstrap_servers(self) -> str:
-        return self.kafka["bootstrap.servers"]
-
     def producer_settings(self, transactional_id: str | None = None) -> dict[str, Any]:
         """Safe producer settings for a task; transactional when given a transactional.id."""
         user: dict[str, Any] = {**_SPARK_PRODUCER_DEFAULTS, **self.kafka}
@@ -189,10 +185,6 @@ class ReaderOptions:
     dedup_by_rk_id: bool = False
     read_timeout_s: float = 120.0
     max_batch_rows: int = 10_000
-
-    @property
-    def bootstrap_servers(self) -> str:
-        return self.kafka["bootstrap.servers"]
 
     @property
     def group_id(self) -> str | None:

@@ -7,8 +7,10 @@ committed together chunk by chunk, so a retry or a re-run skips what is committe
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -274,10 +276,14 @@ def _write_at_least_once(
                 f"{len(failures) + left} of {rows} row(s) of partition {partition} were not delivered: "
                 + (failures[0] if failures else f"{left} still unacknowledged after {timeout_s:.0f}s")
             )
-    except BaseException:
+    except BaseException as exc:
         # The task fails and Spark retries it with the same rk-ids: queued rows need not go out now.
         producer.purge(in_queue=True, in_flight=False, blocking=False)
         producer.flush(0)
+        if isinstance(exc, KafkaException):  # e.g. a fatal idempotence error: the producer is unusable
+            raise PartitionWriteFailed(
+                f"writing partition {partition} of write {options.write_id!r} failed: {kafka_errors.describe(exc)}"
+            ) from exc
         raise
     if hook == -1:
         raise _injected_failure(options, partition, rows)
@@ -348,14 +354,30 @@ class _ExactlyOnce:
                     f"this job has a partition {self.partition}: the partitioning changed"
                 )
             return self.verify_complete(batches, manifest.partitions[self.partition])
+        # Look at the input before fencing anyone: a worker that outlived its failed task finds its
+        # input cut off here, and must not fence (and so fail) the live retry of its partition.
+        source = iter(batches)
+        first = next(source, None)
+        if first is None:
+            return self._empty_input()
         producer = Producer(self.options.producer_settings(transactional_id(self.options.write_id, self.partition)))
         try:
-            return self._run(producer, batches)
+            return self._run(producer, itertools.chain([first], source))
         except KafkaException as exc:  # from produce/begin/flush; commit and init are mapped where called
             raise self._failure(exc, "writing rows") from exc
         finally:
             if not self.crashed:
                 self._close_quietly(producer)
+
+    def _empty_input(self) -> PartitionCommit:
+        """Nothing to write: no transaction, only a check that no earlier attempt committed rows."""
+        marker = self.markers.read([self.key]).get(self.key)
+        if isinstance(marker, PartitionMarker) and marker.rows > 0:
+            self._check_same(marker, 0, exact=False)
+        return PartitionCommit(
+            self.options.write_id, self.partition, self.attempt, rows=0, rows_written=0, skipped=True,
+            fingerprint=self.fingerprint.digest(),
+        )
 
     def _run(self, producer: Producer, batches: Iterable[pa.RecordBatch]) -> PartitionCommit:
         options = self.options
@@ -468,7 +490,10 @@ class _ExactlyOnce:
     def _close_quietly(self, producer: Producer) -> None:
         # close() aborts a transaction an error left open; on a fenced producer it raises instead.
         try:
-            producer.close()
+            with warnings.catch_warnings():
+                # A failed abort inside close() is reported as a warning: the retry's fencing settles it.
+                warnings.simplefilter("ignore", RuntimeWarning)
+                producer.close()
         except KafkaException as exc:
             log.info("closing the producer of write %s partition %d: %s", self.options.write_id, self.partition,
                      kafka_errors.describe(exc))

@@ -77,7 +77,11 @@ def free_port() -> int:
 
 
 def _cluster_id() -> str:
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    # StorageTool's argument parser reads an id starting with "-" as an option: never hand it one.
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cid.startswith("-"):
+            return cid
 
 
 def _prop(value: Any) -> str:
