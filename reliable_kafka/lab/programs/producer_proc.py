@@ -12,7 +12,7 @@ import sys
 
 from confluent_kafka import Producer
 
-from reliable_kafka import ReliableProducer
+from reliable_kafka import Message, ReliableProducer
 
 
 def main() -> int:
@@ -34,7 +34,9 @@ def main() -> int:
         )
         for start in range(args.start, args.end, args.batch):
             idx = range(start, min(start + args.batch, args.end))
-            producer.send_many([(args.topic, f"v-{i}".encode()) for i in idx])
+            # The application's own id per value: re-sending a value it had not recorded as accepted
+            # (killed between send_many() and the ledger write) carries the same rk-id as the original.
+            producer.send_many([Message(args.topic, f"v-{i}".encode(), message_id=f"v-{i}") for i in idx])
             ledger.write("".join(f"{i}\n" for i in idx))
         remaining = producer.close(timeout=60)
         return 0 if remaining == 0 else 3
