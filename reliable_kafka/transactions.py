@@ -59,6 +59,13 @@ _IDLE_POLL_S = 0.1
 _COMMIT_CHECK_S = 0.01
 # Records asked from librdkafka per consume() call; a transaction may span several calls.
 _CONSUME_CHUNK = 500
+# A transform is retried while its transaction stays open and every partition waits: briefly, by default.
+DEFAULT_RETRY_POLICY = RetryPolicy(attempts=3, initial_backoff_s=0.1, max_backoff_s=1.0)
+# Failed transactions in a row: the pause before the next try doubles from _BACKOFF_FIRST_S up to
+# _BACKOFF_MAX_S, and this many failures in a row stop the instance.
+_BACKOFF_FIRST_S = 0.05
+_BACKOFF_MAX_S = 5.0
+_MAX_FAILED_IN_A_ROW = 10
 
 
 @dataclass(slots=True)
@@ -213,7 +220,9 @@ class TransactionalProcessor:
         `consumer_overrides` / `producer_overrides` hold settings for one of them only. Unsafe
         settings (auto-commit, read_uncommitted, acks other than all, ...) raise ConfigError.
         `operation_timeout_s` bounds each transactional call; retriable failures are retried for up to
-        twice that. `on_commit` is called after each committed transaction, in the run() thread.
+        twice that. `retry_policy` retries a failing transform (default: 3 attempts, 0.1-1 s apart)
+        before its record is dead-lettered. `on_commit` is called after each committed transaction,
+        in the run() thread.
         """
         if isinstance(input_topics, str) or not input_topics:
             raise ConfigError("input_topics", "must be a non-empty list of topic names")
@@ -243,7 +252,7 @@ class TransactionalProcessor:
         self._transactional_id = transactional_id
         self._max_batch = max_batch_messages
         self._interval = max_batch_interval_s
-        self._retry_policy = retry_policy if retry_policy is not None else RetryPolicy()
+        self._retry_policy = retry_policy if retry_policy is not None else DEFAULT_RETRY_POLICY
         self._dlq_template = dlq_topic
         self._dlq_topics = {t: dlq_topic_for(t, dlq_topic) for t in self._input_topics}
         self._op_timeout = operation_timeout_s
@@ -256,6 +265,7 @@ class TransactionalProcessor:
         self._stopping = threading.Event()
         self._closed = False
         self._broken: ReliableKafkaError | None = None
+        self._failed_in_a_row = 0
         self._counts = ProcessorStats()
         # Partitions assigned to us right now, and per partition the next offset to process.
         self._owned: set[TopicPartitionKey] = set()
@@ -638,6 +648,7 @@ class TransactionalProcessor:
             log.warning("transaction not committed: %s", exc)
             self._recover(exc)
             raise _Rewound from exc
+        self._failed_in_a_row = 0
         counts = self._counts
         counts.transactions_committed += 1
         counts.messages_committed += info.messages
@@ -660,13 +671,27 @@ class TransactionalProcessor:
                 self._reap_commit(wait=True)
 
     def _recover(self, exc: _TxnError) -> None:
-        """Act on a failed transactional call as next_step() decided."""
+        """Act on a failed transactional call as next_step() decided.
+
+        A failure that keeps coming back (an output or dead-letter topic that does not exist, say) must
+        not spin unseen: each failure in a row waits a little longer, and after _MAX_FAILED_IN_A_ROW the
+        instance stops with TransactionFailed. Nothing past the last committed transaction is lost.
+        """
         if exc.step is TxnStep.STOP:
             raise self._stop_with(exc) from exc.error
         if exc.step is TxnStep.RECREATE:
             self._recreate_producer(str(exc))
         else:
             self._abort(str(exc))
+        self._failed_in_a_row += 1
+        if self._failed_in_a_row >= _MAX_FAILED_IN_A_ROW:
+            self._broken = TransactionFailed(
+                f"transactional.id {self._transactional_id!r}: {self._failed_in_a_row} transactions in a row "
+                f"failed, the last with {exc}. Nothing past the last committed transaction was lost; check "
+                "that the output and dead-letter topics exist and the brokers are healthy, then restart"
+            )
+            raise self._broken from exc.error
+        self._stopping.wait(min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (self._failed_in_a_row - 1)))
 
     def _abort(self, reason: str) -> None:
         """Abort the open (or just failed) transaction and rewind the consumer to its committed offsets."""

@@ -302,7 +302,7 @@ def _redis_effects(url: str, prefix: str) -> Callable[[], Counter[str]]:
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("store", ["sqlite", "redis"])
+@pytest.mark.parametrize("store", ["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
 def test_killed_producer_and_consumer_apply_each_original_message_exactly_once(
     store: str, kafka: LocalKafkaCluster, make_topic: Callable[..., str], tmp_path: Path,
     request: pytest.FixtureRequest,

@@ -173,7 +173,7 @@ def test_slow_init_producer_id_is_retried(mock: MockCluster, caplog: pytest.LogC
 
 @pytest.mark.parametrize("api", ["AddPartitionsToTxn", "EndTxn"])
 def test_a_commit_past_its_timeout_has_an_unknown_outcome_so_the_producer_is_recreated(
-    mock: MockCluster, api: str
+    mock: MockCluster, api: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     copy = Copy(mock)
     copy.feed()
@@ -189,9 +189,13 @@ def test_a_commit_past_its_timeout_has_an_unknown_outcome_so_the_producer_is_rec
     stats = copy.finish()
     assert copy.error is None
     assert stats.producer_recreations == 1 and stats.rewinds >= 1, stats
+    assert any(r.getMessage().startswith("transaction not committed: commit_transaction: _TIMED_OUT")
+               for r in caplog.records), "the recreation must come from the commit's timeout"
 
 
-def test_txn_offset_commit_past_its_timeout_aborts_and_rewinds(mock: MockCluster) -> None:
+def test_txn_offset_commit_past_its_timeout_aborts_and_rewinds(
+    mock: MockCluster, caplog: pytest.LogCaptureFixture
+) -> None:
     copy = Copy(mock)
     copy.feed()
     copy.start().wait_committed(N)
@@ -204,6 +208,8 @@ def test_txn_offset_commit_past_its_timeout_aborts_and_rewinds(mock: MockCluster
     stats = copy.finish()
     assert copy.error is None
     assert stats.rewinds >= 1 and stats.producer_recreations == 0, stats
+    assert any(r.getMessage().startswith("transaction not committed: send_offsets_to_transaction")
+               and r.getMessage().endswith("-> abort") for r in caplog.records)
 
 
 # ---- abortable and fatal ---------------------------------------------------------------------------
