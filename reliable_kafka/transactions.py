@@ -424,7 +424,7 @@ class TransactionalProcessor:
             expected = positions.get(key)
             if expected is not None and offset < expected:
                 continue  # fetched before a rewind, or processed already
-            refused = self._poison.pop((*key, offset), None) if self._poison else None
+            refused = self._poison.pop((key[0], key[1], offset), None) if self._poison else None
             outputs: Outputs
             if refused is not None:
                 outputs, dead = [self._dead_letter(msg, *refused)], True
