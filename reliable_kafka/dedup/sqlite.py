@@ -41,6 +41,8 @@ _UPSERT = (
     " state = excluded.state, owner = excluded.owner, expires_ms = excluded.expires_ms"
 )
 
+_CONFIRM_OWN = f"UPDATE {TABLE} SET state = '{_DONE}', expires_ms = :expires_ms WHERE {_IN_BATCH} AND owner = :owner"
+
 _COUNT_TAKEN_OVER = (
     f"SELECT count(*) FROM {TABLE} WHERE {_IN_BATCH}"
     f" AND state = '{_CLAIMED}' AND owner != :owner AND expires_ms > :now"
@@ -251,18 +253,17 @@ class SQLiteDedupStore(DedupStore):
         payload = json.dumps(batch)
         with self._transaction("confirm keys") as conn:
             now = _now_ms()
-            (taken_over,) = conn.execute(
-                _COUNT_TAKEN_OVER, {"keys": payload, "owner": self.owner, "now": now}
-            ).fetchone()
-            conn.execute(
-                _UPSERT,
-                {
-                    "state": _DONE,
-                    "owner": self.owner,
-                    "expires_ms": now + self._retention_ms,
-                    "keys": payload,
-                },
-            )
+            expires_ms = now + self._retention_ms
+            taken_over = 0
+            # The usual batch holds only this store's own claims: one UPDATE, no takeover to count.
+            own = conn.execute(_CONFIRM_OWN, {"keys": payload, "owner": self.owner, "expires_ms": expires_ms})
+            if own.rowcount != len(batch):
+                (taken_over,) = conn.execute(
+                    _COUNT_TAKEN_OVER, {"keys": payload, "owner": self.owner, "now": now}
+                ).fetchone()
+                conn.execute(
+                    _UPSERT, {"state": _DONE, "owner": self.owner, "expires_ms": expires_ms, "keys": payload}
+                )
             self._confirmed_since_purge += len(batch)
             purge_due = self._confirmed_since_purge >= self._purge_every
         if taken_over:
