@@ -266,7 +266,11 @@ class ReliableConsumer:
 
     def _step(self, batch_handler: BatchHandler | None) -> None:
         if self._held:
-            self._claim_and_dispatch(self._take_held(), batch_handler)
+            held = self._take_held()
+            if self._dedup is not None:
+                self._claim_and_dispatch(held, batch_handler)
+            else:
+                self._dispatch(held, batch_handler)
         elif self._tracker.in_flight() < self._max_in_flight:
             self._resume_ours()
             msgs = self._fetch(self._max_batch, 0.1)
@@ -276,10 +280,11 @@ class ReliableConsumer:
                 else:
                     self._dispatch([self._work(m) for m in msgs], batch_handler)
         else:
-            # The backlog is full: pause fetching but keep polling, so the group does not think we
-            # died (max.poll.interval.ms) while handlers catch up.
-            self._pause_all()
-            self._consumer.poll(0.05)
+            # The backlog is full: pause fetching but keep serving the group, so it does not think we
+            # died (max.poll.interval.ms) while handlers catch up. A partition assigned meanwhile is not
+            # paused yet and may hand over records: they are tracked and held, never dropped (a dropped
+            # record would let a later commit pass it).
+            self._hold_paused(0.05)
         if self._stuck:
             self._retry_stuck()
         self._flush_confirms()

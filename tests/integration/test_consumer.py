@@ -149,6 +149,48 @@ def test_rebalance_storm_of_joins_kills_and_clean_stops_leaves_no_gaps(kafka, ma
     assert not gaps, f"{len(gaps)} messages never handled"
 
 
+class _LatePause:
+    """Wraps the inner Consumer so the first `misses` pause() calls leave the partitions fetching: what
+    a rebalance does when it assigns a partition between our pause and our poll."""
+
+    def __init__(self, inner: Consumer, misses: int) -> None:
+        self._inner = inner
+        self.misses = misses
+
+    def pause(self, partitions: list[TopicPartition]) -> None:
+        if self.misses > 0:
+            self.misses -= 1
+            return
+        self._inner.pause(partitions)
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+def test_records_fetched_while_the_backlog_is_full_are_held_not_dropped(kafka, make_topic) -> None:
+    topic = make_topic(partitions=1)
+    values = fill(kafka.bootstrap_servers, topic, 300)
+    conf = base_conf(kafka)
+    handled: list[str] = []
+    lock = threading.Lock()
+
+    def handler(msg) -> None:
+        time.sleep(0.01)  # slow enough that the backlog (10 records) stays full
+        with lock:
+            handled.append(msg.value().decode())
+
+    consumer = ReliableConsumer(conf, [topic], concurrency=2, max_batch=10, max_in_flight=10, commit_interval_s=0.1)
+    late = _LatePause(consumer._consumer, misses=1)  # the partition then counts as paused but fetches on
+    consumer._consumer = late  # type: ignore[assignment]
+    _run_until(consumer, handler, lambda: len(set(handled)) >= len(values), timeout=30)
+    time.sleep(0.5)
+    consumer.close()
+    assert late.misses == 0, "the backlog never filled up: the test proved nothing"
+    missing = set(values) - set(handled)
+    assert not missing, f"{len(missing)} records fetched while paused were dropped, e.g. {sorted(missing)[:3]}"
+    assert committed(kafka.bootstrap_servers, conf["group.id"], topic, 1)[0] == len(values)
+
+
 def test_commits_never_pass_an_unfinished_record_with_concurrency(kafka, make_topic) -> None:
     topic = make_topic(partitions=1)
     values = fill(kafka.bootstrap_servers, topic, 2_000)
