@@ -107,6 +107,7 @@ def assert_exactly_once_in_key_order(kafka: LocalKafkaCluster, output: str, valu
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # 12 kills and restarts on a busy 2-core host; the phases below have their own limits
 def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka, make_topic) -> None:
     bs = kafka.bootstrap_servers
     source = make_topic(partitions=2, prefix="eos-in")
@@ -133,8 +134,10 @@ def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka,
     finally:
         exit_codes = [c.stop() for c in eos + control]
         seen = reader.drain()
-    assert exit_codes == [0, 0, 0, 0], [c.events("failed") + c.events("fenced") for c in eos]
-    assert [c.kills for c in eos] == [3, 3], "every processor must be SIGKILLed 3 times mid-copy"
+    assert exit_codes == [0, 0, 0, 0], {c.name: c.events("failed") + c.events("fenced") for c in eos + control}
+    assert [c.kills for c in eos] == [3, 3], (
+        f"every processor must be SIGKILLed 3 times mid-copy; kills {[c.kills for c in eos + control]}, "
+        f"copy finished: {done()}")
 
     aborted = assert_exactly_once_in_key_order(kafka, output, values)
     concurrent = verdict(values, seen)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 import time
 
 from confluent_kafka import Consumer
@@ -30,6 +31,9 @@ def main() -> int:
     ap.add_argument("--idle", type=float, default=8.0)
     ap.add_argument("--concurrency", type=int, default=1)
     args = ap.parse_args()
+    # SIGTERM is honoured from here on, also before the consumer exists (a member stopped while starting).
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: terminated.set())
 
     ledger = open(args.ledger, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     conf = {"bootstrap.servers": args.bootstrap, "group.id": args.group, "session.timeout.ms": 6000,
@@ -49,7 +53,7 @@ def main() -> int:
         control = Consumer({**conf, "enable.auto.commit": True, "auto.commit.interval.ms": 100,
                             "auto.offset.reset": "earliest"})
         control.subscribe([args.topic])
-        while time.monotonic() - last_record[0] < args.idle:
+        while time.monotonic() - last_record[0] < args.idle and not terminated.is_set():
             for msg in control.consume(num_messages=500, timeout=0.5):
                 if msg.error() is None:
                     handle(msg.value(), msg.headers())
@@ -57,12 +61,10 @@ def main() -> int:
         return 0
 
     consumer = ReliableConsumer(conf, [args.topic], concurrency=args.concurrency, commit_interval_s=0.2)
-    signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
-    import threading
 
     def idle_watch() -> None:
-        while time.monotonic() - last_record[0] < args.idle:
-            time.sleep(0.2)
+        while time.monotonic() - last_record[0] < args.idle and not terminated.is_set():
+            time.sleep(0.1)
         consumer.stop()
 
     threading.Thread(target=idle_watch, daemon=True).start()
