@@ -499,6 +499,7 @@ class ReliableConsumer:
             elif key in done or key in running:
                 # Confirmed earlier, or a copy of a key that runs in this batch: its effect covers this one.
                 self._counts["duplicates_skipped"] += 1
+                telemetry.dedup_hits.add(1)
                 self._done(w)
             elif key in claimed:
                 w.key = key

@@ -106,6 +106,16 @@ def publish_span(topic: str, message_id: str, headers: list[tuple[str, bytes]]) 
         propagate.inject(headers, setter=_SETTER)
 
 
+CONTEXT_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
+
+
+def context_headers() -> list[tuple[str, bytes]]:
+    """The current span's context as message headers (empty when nothing is being traced)."""
+    carrier: list[tuple[str, bytes]] = []
+    propagate.inject(carrier, setter=_SETTER)
+    return carrier
+
+
 @contextlib.contextmanager
 def process_span(msg: Any, group: str | None) -> Iterator[Any]:
     """A `process` span for one consumed record, linked to the span that published it."""

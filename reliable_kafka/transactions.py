@@ -29,7 +29,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from reliable_kafka import kafka_errors
+from reliable_kafka import kafka_errors, telemetry
 from reliable_kafka.config import consumer_config, transactional_producer_config
 from reliable_kafka.dlq import DEFAULT_DLQ_TEMPLATE, dead_letter_headers, dlq_topic_for
 from reliable_kafka.errors import (
@@ -249,6 +249,9 @@ class TransactionalProcessor:
         self._reset_to = OFFSET_END if reset in ("latest", "largest", "end") else OFFSET_BEGINNING
         self._input_topics = list(input_topics)
         self._transform = transform
+        self._group_id = group_id
+        # Looked up once: with no OpenTelemetry SDK installed the hot path stays free of span calls.
+        self._tracing = telemetry.tracing_enabled()
         self._transactional_id = transactional_id
         self._max_batch = max_batch_messages
         self._interval = max_batch_interval_s
@@ -409,7 +412,8 @@ class TransactionalProcessor:
         # The per-record hot path: plain locals, no helper calls unless something is unusual. Processed
         # records are handed over (written, or queued behind a running commit) in bulk, at the end of the
         # batch or when a deadline passes (a slow transform can make one batch outlast the interval).
-        owned, positions, transform, now = self._owned, self._positions, self._transform, time.monotonic
+        owned, positions, now = self._owned, self._positions, time.monotonic
+        transform = self._transform_traced if self._tracing else self._transform
         done: list[_Done] = []
         for msg in msgs:
             error = msg.error()
@@ -445,6 +449,22 @@ class TransactionalProcessor:
                 self._hand_over(done)
                 done = []
         self._hand_over(done)
+
+    def _transform_traced(self, msg: Message) -> Outputs:
+        """transform() inside a `process` span linked to the input's producer; its outputs carry the
+        span's context (replacing a trace context copied from the input), so their consumers link to it."""
+        with telemetry.process_span(msg, self._group_id):
+            outputs = list(self._transform(msg))
+            carrier = telemetry.context_headers()
+        if not carrier:
+            return outputs
+        traced: list[OutputRecord] = []
+        for out in outputs:
+            if out.__class__ is not OutputRecord:
+                _check_output(out)
+            kept = [(k, v) for k, v in _header_list(out.headers) if k not in telemetry.CONTEXT_HEADERS]
+            traced.append(replace(out, headers=[*kept, *carrier]))
+        return traced
 
     def _hand_over(self, done: list[_Done]) -> None:
         """Write processed records into the open transaction, or queue them while a commit runs; reap a
@@ -627,12 +647,14 @@ class TransactionalProcessor:
         Runs in the committer thread; raises _TxnError, which the loop handles.
         """
         partitions = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
-        if partitions:
-            self._call(
-                "send_offsets_to_transaction",
-                lambda: producer.send_offsets_to_transaction(partitions, metadata, self._op_timeout),
-            )
-        self._call("commit_transaction", lambda: producer.commit_transaction(self._op_timeout))
+        with telemetry.span("transaction commit", **{"messaging.consumer.group.name": self._group_id,
+                                                      "messaging.kafka.transactional_id": self._transactional_id}):
+            if partitions:
+                self._call(
+                    "send_offsets_to_transaction",
+                    lambda: producer.send_offsets_to_transaction(partitions, metadata, self._op_timeout),
+                )
+            self._call("commit_transaction", lambda: producer.commit_transaction(self._op_timeout))
 
     def _reap_commit(self, *, wait: bool) -> None:
         """Take the result of the background commit (blocking if `wait`); then write the backlog."""
@@ -698,6 +720,7 @@ class TransactionalProcessor:
         producer = self._producer
         assert producer is not None
         self._counts.transactions_aborted += 1
+        telemetry.transaction_aborts.add(1)
         self._clear_txn()
         try:
             self._call("abort_transaction", lambda: producer.abort_transaction(self._op_timeout))
@@ -714,6 +737,7 @@ class TransactionalProcessor:
         log.warning("recreating the transactional producer (%s)", reason)
         if not counted:
             self._counts.transactions_aborted += 1
+            telemetry.transaction_aborts.add(1)
         self._counts.producer_recreations += 1
         self._clear_txn()
         old, self._producer = self._producer, None

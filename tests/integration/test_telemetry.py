@@ -17,7 +17,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from reliable_kafka import telemetry
 from reliable_kafka.consumer import ReliableConsumer
+from reliable_kafka.dedup import SQLiteDedupStore
 from reliable_kafka.producer import ReliableProducer
+from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
 
 pytestmark = pytest.mark.cluster
 
@@ -73,3 +75,92 @@ def test_consumer_process_span_links_to_the_producer_publish_span(kafka, make_to
     names = {m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
     assert {"reliable_kafka.messages.sent", "reliable_kafka.messages.delivered",
             "reliable_kafka.commit.duration"} <= names
+
+
+def _spans_named(name: str) -> list:
+    return [s for s in EXPORTER.get_finished_spans() if s.name == name]
+
+
+def _links(span) -> list[tuple[int, int]]:
+    return [(link.context.trace_id, link.context.span_id) for link in span.links]
+
+
+def _ids(span) -> tuple[int, int]:
+    return (span.context.trace_id, span.context.span_id)
+
+
+def test_the_trace_goes_through_the_transactional_processor_to_its_consumer(kafka, make_topic) -> None:
+    source, output = make_topic(partitions=1, prefix="otel-in"), make_topic(partitions=1, prefix="otel-out")
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, durability="memory") as p:
+        p.send(source, b"hop")
+        assert p.flush(30) == 0
+
+    # A copier that passes the input's headers on, the producer's traceparent included: the processor
+    # must replace it with its own, or the hop would vanish from the trace.
+    processor = TransactionalProcessor(
+        {"bootstrap.servers": kafka.bootstrap_servers}, group_id=f"otel-eos-{uuid.uuid4().hex[:6]}",
+        input_topics=[source], transactional_id=f"otel-{uuid.uuid4().hex[:6]}",
+        transform=lambda m: [OutputRecord(output, m.value(), m.key(), headers=m.headers())],
+    )
+    with processor:
+        threading.Thread(target=lambda: (_wait(lambda: processor.stats().messages_committed >= 1, 60),
+                                         processor.stop()), daemon=True).start()
+        assert processor.run().messages_committed == 1
+
+    consumer = ReliableConsumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"otel-{uuid.uuid4()}"},
+                                [output])
+    got = []
+
+    def handler(msg) -> None:
+        got.append(msg)
+        consumer.stop()
+
+    threading.Timer(60, consumer.stop).start()
+    consumer.run(handler)
+    consumer.close()
+    assert [m.value() for m in got] == [b"hop"]
+    assert [k for k, _ in got[0].headers()].count("traceparent") == 1
+
+    publish, = _spans_named(f"publish {source}")
+    hop, = _spans_named(f"process {source}")
+    final, = _spans_named(f"process {output}")
+    assert _links(hop) == [_ids(publish)], "the processor's span must link to the producer's"
+    assert _links(final) == [_ids(hop)], "the output's consumer must link to the processor's span"
+    assert hop.attributes["messaging.consumer.group.name"].startswith("otel-eos-")
+    assert _spans_named("transaction commit"), "each committed transaction has its span"
+
+
+def _wait(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def _counter_total(name: str) -> int:
+    total = 0
+    for rm in READER.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                if m.name == name:
+                    total += sum(point.value for point in m.data.data_points)
+    return total
+
+
+def test_dedup_hits_are_counted(kafka, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=1)
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, durability="memory") as p:
+        for value in (b"first", b"copy", b"other"):  # "copy" re-sends "first" under the same message id
+            p.send(topic, value, message_id="order-1" if value != b"other" else "order-2")
+        assert p.flush(30) == 0
+    before = _counter_total("reliable_kafka.dedup.hits")
+    handled: list[bytes] = []
+    with SQLiteDedupStore(tmp_path / "dedup.db") as store:
+        consumer = ReliableConsumer({"bootstrap.servers": kafka.bootstrap_servers,
+                                     "group.id": f"otel-dedup-{uuid.uuid4()}"}, [topic], dedup=store)
+        threading.Thread(target=lambda: (_wait(lambda: consumer.counts.get("duplicates_skipped", 0)
+                                               + len(handled) >= 3, 60), consumer.stop()), daemon=True).start()
+        consumer.run(lambda m: handled.append(m.value()))
+        consumer.close()
+    assert handled == [b"first", b"other"]
+    assert _counter_total("reliable_kafka.dedup.hits") - before == 1
