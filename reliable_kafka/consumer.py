@@ -327,18 +327,24 @@ class ReliableConsumer:
 
     def _run_batch(self, works: list[_Work], batch_handler: BatchHandler) -> None:
         msgs = [w.msg for w in works]
-        try:
-            self._retry.run(lambda: batch_handler(msgs), stop_event=self._stop, label=f"batch of {len(msgs)}")
-        except RetryInterrupted:
-            return
-        except RetriesExhausted:
-            # Find the poison one by one: each record gets its own retries, then the DLQ.
-            log.warning("batch of %d failed after retries; handling its records one by one", len(msgs))
+        label = f"batch of {len(msgs)}"
+        while True:
+            try:
+                self._retry.run(lambda: batch_handler(msgs), stop_event=self._stop, label=label)
+            except RetryInterrupted:
+                self._release(works)  # unfinished: delivered again after the restart, without waiting
+                return
+            except RetriesExhausted as exc:
+                if self._store_was_down(exc, label):
+                    continue
+                # Find the poison one by one: each record gets its own retries, then the DLQ.
+                log.warning("batch of %d failed after retries; handling its records one by one", len(msgs))
+                for w in works:
+                    self._process(w)
+                return
             for w in works:
-                self._process(w)
+                self._handled(w)
             return
-        for w in works:
-            self._handled(w)
 
     @staticmethod
     def _single(batch_handler: Any) -> Handler:
@@ -349,19 +355,33 @@ class ReliableConsumer:
         assert self._handler is not None
         handler = self._handler
         label = f"{w.msg.topic()}[{w.msg.partition()}]@{w.msg.offset()}"
-        try:
-            if self._tracing:
-                with telemetry.process_span(w.msg, self._group):
+        while True:
+            try:
+                if self._tracing:
+                    with telemetry.process_span(w.msg, self._group):
+                        self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label)
+                else:
                     self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label)
-            else:
-                self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label)
-        except RetryInterrupted:
-            self._release(w)  # unfinished, not poison: it is delivered again after the restart
+            except RetryInterrupted:
+                self._release([w])  # unfinished, not poison: it is delivered again after the restart
+                return
+            except RetriesExhausted as exc:
+                if self._store_was_down(exc, label):
+                    continue
+                self._dead_letter_or_hold(w, exc.last_error or exc, exc.attempts)
+                return
+            self._handled(w)
             return
-        except RetriesExhausted as exc:
-            self._dead_letter_or_hold(w, exc.last_error or exc, exc.attempts)
-            return
-        self._handled(w)
+
+    def _store_was_down(self, exc: RetriesExhausted, label: str) -> bool:
+        """A handler that failed because a dedup store is down (its own inbox, say) has not met a poison
+        record: it is retried, holding its partition, until the store is back or the consumer stops."""
+        if not isinstance(exc.last_error, DedupStoreUnavailable) or self._stop.is_set():
+            return False
+        log.error("%s: the handler's dedup store is unavailable (%s); retrying, not dead-lettering", label,
+                  exc.last_error)
+        self._stop.wait(1.0)
+        return True
 
     def _handled(self, w: _Work) -> None:
         self._counts["handled"] += 1
@@ -577,11 +597,12 @@ class ReliableConsumer:
         for w in pending:
             self._done(w)
 
-    def _release(self, w: _Work) -> None:
-        """Free the claim of a record that did not finish, so its redelivery runs without waiting."""
-        if self._dedup is not None and w.key is not None:
-            with contextlib.suppress(DedupStoreUnavailable):  # the lease expires on its own
-                self._dedup.release([w.key])
+    def _release(self, works: list[_Work]) -> None:
+        """Free the claims of records that did not finish, so their redelivery runs without waiting."""
+        keys = [w.key for w in works if w.key is not None]
+        if self._dedup is not None and keys:
+            with contextlib.suppress(DedupStoreUnavailable):  # the leases expire on their own
+                self._dedup.release(keys)
 
     # ---- workers -------------------------------------------------------------------------
 

@@ -17,7 +17,10 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from reliable_kafka.consumer import DeadLetterPolicy, ReliableConsumer
+from reliable_kafka.dedup import SQLiteDedupStore
 from reliable_kafka.dlq import parse_dead_letter_headers
+from reliable_kafka.errors import DedupStoreUnavailable
+from reliable_kafka.producer import ReliableProducer
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
 
@@ -200,6 +203,55 @@ def test_records_fetched_while_the_backlog_is_full_are_held_not_dropped(kafka, m
     missing = set(values) - set(handled)
     assert not missing, f"{len(missing)} records fetched while paused were dropped, e.g. {sorted(missing)[:3]}"
     assert committed(kafka.bootstrap_servers, conf["group.id"], topic, 1)[0] == len(values)
+
+
+def test_a_handler_whose_dedup_store_is_down_is_retried_not_dead_lettered(kafka, make_topic) -> None:
+    topic = make_topic(partitions=1)
+    kafka.create_topic(f"{topic}.dlq", 1, 3)
+    fill(kafka.bootstrap_servers, topic, 3)  # m-0, m-1, m-2
+    attempts: Counter[str] = Counter()
+    handled: list[str] = []
+
+    def handler(msg) -> None:
+        value = msg.value().decode()
+        attempts[value] += 1
+        if value == "m-1" and attempts[value] <= 5:  # the handler's own store is down for a while
+            raise DedupStoreUnavailable("redis://127.0.0.1:1: connection refused")
+        if value == "m-2":
+            raise ValueError("poison")  # the control: a real poison record is dead-lettered
+        handled.append(value)
+
+    consumer = ReliableConsumer(base_conf(kafka), [topic], retry=RetryPolicy(attempts=2, initial_backoff_s=0.01))
+    _run_until(consumer, handler, lambda: consumer.counts.get("dead_lettered", 0) >= 1 and len(handled) >= 2, 60)
+    consumer.close()
+    assert handled == ["m-0", "m-1"] and attempts["m-1"] == 6
+    dead = [m.value() for m in consume_all(kafka.bootstrap_servers, f"{topic}.dlq")]
+    assert dead == [b"m-2"], "only the poison record may be dead-lettered"
+
+
+def test_stop_during_batch_retries_releases_the_dedup_claims(kafka, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=1)
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, durability="memory") as p:
+        for i in range(3):
+            p.send(topic, f"v{i}".encode(), message_id=f"id-{i}")
+        assert p.flush(30) == 0
+    calls = threading.Event()
+
+    def failing_batch(msgs) -> None:
+        calls.set()
+        raise TimeoutError("downstream is slow")
+
+    with SQLiteDedupStore(tmp_path / "dedup.db") as store:
+        consumer = ReliableConsumer(base_conf(kafka), [topic], dedup=store,
+                                    retry=RetryPolicy(attempts=50, initial_backoff_s=0.2, jitter=False))
+        threading.Thread(target=lambda: (calls.wait(60), time.sleep(0.3), consumer.stop()), daemon=True).start()
+        consumer.run(failing_batch, batch=True)
+        consumer.close()
+        assert calls.is_set()
+    # The next owner of the partition can claim the records at once, not after the 60 s lease.
+    with SQLiteDedupStore(tmp_path / "dedup.db") as other:
+        result = other.claim(["id-0", "id-1", "id-2"], 30)
+    assert result.claimed == {"id-0", "id-1", "id-2"}, result
 
 
 def test_commits_never_pass_an_unfinished_record_with_concurrency(kafka, make_topic) -> None:
