@@ -56,15 +56,17 @@ def new_ids(n: int) -> list[str]:
         ms = time.time_ns() // 1_000_000
         if ms > _last_ms:
             _last_ms, _counter = ms, -1
+        # Uniqueness, not secrecy, is needed: the PRNG is several times cheaper than os.urandom.
+        getrandbits, append = _rng.getrandbits, out.append
+        prefix = f"{_last_ms >> 16:08x}-{_last_ms & 0xFFFF:04x}-7"  # time fields and version: per millisecond
         for _ in range(n):
             _counter += 1
             if _counter > 0xFFF:  # counter overflow: borrow the next millisecond
                 _last_ms += 1
                 _counter = 0
-            # Uniqueness, not secrecy, is needed: the PRNG is several times cheaper than os.urandom.
-            value = (_last_ms << 80) | (0x7 << 76) | (_counter << 64) | (0b10 << 62) | _rng.getrandbits(62)
-            h = f"{value:032x}"
-            out.append(f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+                prefix = f"{_last_ms >> 16:08x}-{_last_ms & 0xFFFF:04x}-7"
+            r = getrandbits(62)  # variant 0b10, then 62 random bits
+            append(f"{prefix}{_counter:03x}-{0x8000 | (r >> 48):04x}-{r & 0xFFFFFFFFFFFF:012x}")
     return out
 
 
