@@ -51,7 +51,7 @@ def new_id() -> str:
 def new_ids(n: int) -> list[str]:
     """`n` ids in increasing order at the cost of one clock read (send_many's hot path)."""
     global _last_ms, _counter
-    out = []
+    out: list[str] = []
     with _lock:
         ms = time.time_ns() // 1_000_000
         if ms > _last_ms:

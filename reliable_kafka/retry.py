@@ -95,6 +95,12 @@ class RetryPolicy:
         rebalance. The stop event never interrupts a running attempt, and a first attempt always runs.
         `label` names the work in log lines (e.g. "orders[3]@1042").
         """
+        # The first attempt runs bare: it is the per-record hot path of every consumer, and tenacity's
+        # machinery costs several times a cheap handler. Only a failure enters it, replayed as attempt 1.
+        try:
+            return fn()
+        except BaseException as exc:
+            replay: list[BaseException] = [exc]
         made = 0
         last_error: BaseException | None = None
 
@@ -102,6 +108,8 @@ class RetryPolicy:
             nonlocal made, last_error
             made += 1
             try:
+                if replay:
+                    raise replay.pop()
                 return fn()
             except BaseException as exc:
                 last_error = exc

@@ -106,6 +106,17 @@ def publish_span(topic: str, message_id: str, headers: list[tuple[str, bytes]]) 
         propagate.inject(headers, setter=_SETTER)
 
 
+@contextlib.contextmanager
+def batch_publish_span(topic: str | None, **attributes: Any) -> Iterator[Any]:
+    """One `publish` span for a batch of records (a Spark task); their headers carry context_headers()."""
+    attrs: dict[str, Any] = {"messaging.system": SYSTEM, "messaging.operation.type": "publish", **attributes}
+    if topic:
+        attrs["messaging.destination.name"] = topic
+    with tracer.start_as_current_span(f"publish {topic}" if topic else "publish", kind=SpanKind.PRODUCER,
+                                      attributes=attrs) as s:
+        yield s
+
+
 CONTEXT_HEADERS = frozenset({"traceparent", "tracestate", "baggage"})
 
 

@@ -20,7 +20,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 from pyspark.sql.types import ArrayType, BinaryType, IntegerType, StringType, StructType
 
-from reliable_kafka import kafka_errors
+from reliable_kafka import kafka_errors, telemetry
 from reliable_kafka.errors import (
     ConfigError,
     PartitionWriteFailed,
@@ -128,6 +128,8 @@ class _Sender:
         self.partition = partition
         self.id_prefix = f"{options.write_id}:{partition}:".encode()
         self.deadline_s = deadline_s
+        # The task's publish span (write_partition), carried by every row so its consumers link to it.
+        self.trace: dict[str, bytes] = dict(telemetry.context_headers()) if telemetry.tracing_enabled() else {}
         self._partition_counts: dict[str, int] = {}
 
     def _count(self, topic: str) -> int:
@@ -158,7 +160,7 @@ class _Sender:
         # The common case, kept lean: values only, one topic; one partition per block of rows.
         values = _binary(piece.column("value"))
         count = self._count(topic)
-        produce, prefix, n = self.producer.produce, self.id_prefix, piece.num_rows
+        produce, prefix, n, trace = self.producer.produce, self.id_prefix, piece.num_rows, self.trace
         start = 0
         while start < n:
             row = first_row + start
@@ -167,6 +169,8 @@ class _Sender:
             for i in range(start, end):
                 # A dict is the cheapest header form confluent-kafka takes.
                 header = {ID_HEADER: b"%s%d" % (prefix, first_row + i)}
+                if trace:
+                    header.update(trace)
                 try:
                     produce(topic, values[i], None, part, headers=header)  # type: ignore[arg-type]
                 except BufferError:
@@ -187,13 +191,17 @@ class _Sender:
         parts = piece.column("partition").to_pylist() if "partition" in names else [None] * n
         ids = [b"%s%d" % (self.id_prefix, i) for i in range(first_row, first_row + n)]
         headers: list[Any]
+        trace = self.trace
         if "headers" in names:
+            # A context the rows bring along (copied from their source) gives way to this task's.
+            own = list(trace.items())
             headers = [
-                [(h["key"], h["value"]) for h in (row or ())] + [(ID_HEADER, rk_id)]
+                [(h["key"], h["value"]) for h in (row or ()) if not (own and h["key"] in telemetry.CONTEXT_HEADERS)]
+                + [(ID_HEADER, rk_id), *own]
                 for row, rk_id in zip(piece.column("headers").to_pylist(), ids, strict=True)
             ]
         else:
-            headers = [{ID_HEADER: rk_id} for rk_id in ids]
+            headers = [{ID_HEADER: rk_id, **trace} for rk_id in ids]
         for j in range(n):
             if parts[j] is None:
                 parts[j] = -1 if keys[j] is not None else (
@@ -587,7 +595,21 @@ def write_partition(
     attempt: int,
     manifest: Manifest | None = None,
 ) -> PartitionCommit:
-    """Write one Spark partition's rows (what a task does; callable directly to model concurrent attempts)."""
+    """Write one Spark partition's rows (what a task does; callable directly to model concurrent attempts).
+
+    With an OpenTelemetry SDK in the worker, the task is a `publish` span whose context every row carries.
+    """
+    if not telemetry.tracing_enabled():
+        return _write_partition(options, batches, partition, attempt, manifest)
+    with telemetry.batch_publish_span(options.topic, **{
+        "reliable_kafka.write_id": options.write_id, "reliable_kafka.guarantee": options.guarantee,
+        "reliable_kafka.spark.partition": partition, "reliable_kafka.spark.attempt": attempt,
+    }):
+        return _write_partition(options, batches, partition, attempt, manifest)
+
+
+def _write_partition(options: WriterOptions, batches: Iterable[pa.RecordBatch], partition: int, attempt: int,
+                     manifest: Manifest | None) -> PartitionCommit:
     if options.guarantee == AT_LEAST_ONCE:
         return _write_at_least_once(options, batches, partition, attempt)
     return _ExactlyOnce(options, partition, attempt).run(batches, manifest)
