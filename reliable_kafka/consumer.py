@@ -277,6 +277,8 @@ class ReliableConsumer:
             if msgs:
                 if self._dedup is not None:
                     self._claim_and_dispatch([self._work(m) for m in msgs], batch_handler)
+                elif batch_handler is None and self._concurrency == 1 and not self._tracing:
+                    self._run_each(msgs)
                 else:
                     self._dispatch([self._work(m) for m in msgs], batch_handler)
         else:
@@ -325,6 +327,29 @@ class ReliableConsumer:
             route = key if key is not None else f"{w.msg.topic()}/{w.msg.partition()}".encode()
             self._queues[zlib.crc32(route) % self._concurrency].put(w)
 
+    def _run_each(self, msgs: list[Message]) -> None:
+        """The hot path (one thread, a record handler, no dedup, no tracing): each record's first attempt
+        runs bare and the completions reach the tracker in bulk, per partition; a record that fails goes
+        on through _process() (retries, DLQ or hold) from there."""
+        assert self._handler is not None
+        handler, epochs = self._handler, self._epochs
+        finished: dict[tuple[str, int], list[int]] = defaultdict(list)
+        try:
+            for msg in msgs:
+                try:
+                    handler(msg)
+                except BaseException as exc:
+                    self._process(self._work(msg), first_error=exc)
+                    continue
+                finished[(msg.topic(), msg.partition())].append(msg.offset())  # type: ignore[index,arg-type]
+        finally:
+            handled = 0
+            for (topic, partition), offsets in finished.items():
+                self._tracker.done_many(topic, partition, offsets, epochs[(topic, partition)])
+                handled += len(offsets)
+            self._counts["handled"] += handled
+            self._since_commit += handled
+
     def _run_batch(self, works: list[_Work], batch_handler: BatchHandler) -> None:
         msgs = [w.msg for w in works]
         label = f"batch of {len(msgs)}"
@@ -350,18 +375,22 @@ class ReliableConsumer:
     def _single(batch_handler: Any) -> Handler:
         return lambda msg: batch_handler([msg])
 
-    def _process(self, w: _Work) -> None:
-        """Handle one record: retries, then the DLQ. Runs on the loop thread or a worker."""
+    def _process(self, w: _Work, first_error: BaseException | None = None) -> None:
+        """Handle one record: retries, then the DLQ. Runs on the loop thread or a worker. `first_error`:
+        the first attempt was made already (by _run_each) and raised it."""
         assert self._handler is not None
         handler = self._handler
         label = f"{w.msg.topic()}[{w.msg.partition()}]@{w.msg.offset()}"
         while True:
+            replay, first_error = first_error, None  # only the first round starts from a failure
             try:
                 if self._tracing:
                     with telemetry.process_span(w.msg, self._group):
-                        self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label)
+                        self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label,
+                                        first_error=replay)
                 else:
-                    self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label)
+                    self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label,
+                                    first_error=replay)
             except RetryInterrupted:
                 self._release([w])  # unfinished, not poison: it is delivered again after the restart
                 return

@@ -84,7 +84,12 @@ class RetryPolicy:
         )
 
     def run(
-        self, fn: Callable[[], T], *, stop_event: threading.Event | None = None, label: str = "handler"
+        self,
+        fn: Callable[[], T],
+        *,
+        stop_event: threading.Event | None = None,
+        label: str = "handler",
+        first_error: BaseException | None = None,
     ) -> T:
         """Call `fn` until it succeeds; return its result.
 
@@ -93,14 +98,18 @@ class RetryPolicy:
         and RetryInterrupted is raised instead: the record is unfinished, not poison, so its offset must
         not be committed nor the record dead-lettered; it is delivered again after the restart or
         rebalance. The stop event never interrupts a running attempt, and a first attempt always runs.
-        `label` names the work in log lines (e.g. "orders[3]@1042").
+        `label` names the work in log lines (e.g. "orders[3]@1042"). `first_error`: the caller already
+        made the first attempt, which raised this; retrying starts from there.
         """
         # The first attempt runs bare: it is the per-record hot path of every consumer, and tenacity's
         # machinery costs several times a cheap handler. Only a failure enters it, replayed as attempt 1.
-        try:
-            return fn()
-        except BaseException as exc:
-            replay: list[BaseException] = [exc]
+        if first_error is not None:
+            replay: list[BaseException] = [first_error]
+        else:
+            try:
+                return fn()
+            except BaseException as exc:
+                replay = [exc]
         made = 0
         last_error: BaseException | None = None
 

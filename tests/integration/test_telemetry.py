@@ -3,6 +3,7 @@ through the W3C trace context carried in the message headers (in-memory SDK expo
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 import time
 import uuid
@@ -20,6 +21,7 @@ from reliable_kafka.consumer import ReliableConsumer
 from reliable_kafka.dedup import SQLiteDedupStore
 from reliable_kafka.producer import ReliableProducer
 from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
+from tests.fixtures.requirements import missing
 
 pytestmark = pytest.mark.cluster
 
@@ -164,3 +166,37 @@ def test_dedup_hits_are_counted(kafka, make_topic, tmp_path) -> None:
         consumer.close()
     assert handled == [b"first", b"other"]
     assert _counter_total("reliable_kafka.dedup.hits") - before == 1
+
+
+def test_a_spark_write_task_is_a_publish_span_its_rows_link_to(kafka, make_topic) -> None:
+    if importlib.util.find_spec("pyspark") is None or importlib.util.find_spec("pyarrow") is None:
+        missing("pyspark and pyarrow", "pip install -e '.[spark]'")
+    import pyarrow as pa
+
+    from reliable_kafka.spark.options import writer_options
+    from reliable_kafka.spark.writer import write_partition
+
+    topic = make_topic(partitions=1)
+    options = writer_options({"kafka.bootstrap.servers": kafka.bootstrap_servers, "topic": topic,
+                              "guarantee": "at_least_once", "write_id": f"otel-{uuid.uuid4().hex[:6]}"})
+    rows = pa.RecordBatch.from_pydict({"value": [f"row-{i}".encode() for i in range(20)]})
+    write_partition(options, [rows], partition=0, attempt=0)  # what a Spark task runs, here in-process
+    task, = _spans_named(f"publish {topic}")
+    assert task.kind == trace.SpanKind.PRODUCER and task.attributes["reliable_kafka.spark.partition"] == 0
+
+    consumer = ReliableConsumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"otel-{uuid.uuid4()}"},
+                                [topic])
+    got = []
+
+    def handler(msg) -> None:
+        got.append(msg)
+        if len(got) == 20:
+            consumer.stop()
+
+    threading.Timer(60, consumer.stop).start()
+    consumer.run(handler)
+    consumer.close()
+    assert len(got) == 20
+    processed = _spans_named(f"process {topic}")
+    assert len(processed) == 20 and all(_links(s) == [_ids(task)] for s in processed), \
+        "every row's process span must link to the task's publish span"

@@ -312,3 +312,28 @@ def test_kafka_retries_are_logged_with_the_broker_reason(caplog: pytest.LogCaptu
     message = caplog.records[0].getMessage()
     assert message.startswith("commit failed (NOT_COORDINATOR")
     assert "coordinator" in message
+
+
+def test_a_first_error_made_by_the_caller_counts_as_attempt_one() -> None:
+    calls = []
+
+    def fn() -> str:
+        calls.append(1)
+        raise TimeoutError("again")
+
+    policy = RetryPolicy(attempts=3, initial_backoff_s=0.0, jitter=False)
+    with pytest.raises(RetriesExhausted) as info:
+        policy.run(fn, first_error=TimeoutError("first"))
+    assert info.value.attempts == 3 and len(calls) == 2  # attempts 2 and 3 only
+
+    assert policy.run(lambda: "ok", first_error=TimeoutError("first")) == "ok"
+
+
+def test_a_first_error_not_worth_retrying_is_poison_without_another_call() -> None:
+    called = []
+    policy = RetryPolicy(attempts=5, give_up_on=(ValueError,))
+    with pytest.raises(RetriesExhausted) as info:
+        policy.run(lambda: called.append(1), first_error=ValueError("bad record"))
+    assert info.value.attempts == 1 and not called
+    with pytest.raises(KeyboardInterrupt):  # the process stopping is never retried nor wrapped
+        RetryPolicy().run(lambda: None, first_error=KeyboardInterrupt())
