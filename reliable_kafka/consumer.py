@@ -425,6 +425,15 @@ class ReliableConsumer:
         self._tracker.done(w.msg.topic(), w.msg.partition(), w.msg.offset(), w.epoch)  # type: ignore[arg-type]
         self._since_commit += 1
 
+    def _done_all(self, works: list[_Work]) -> None:
+        """_done() for many records: one tracker call per partition (and epoch)."""
+        by_tp: dict[tuple[str, int, int], list[int]] = defaultdict(list)
+        for w in works:
+            by_tp[(w.msg.topic(), w.msg.partition(), w.epoch)].append(w.msg.offset())  # type: ignore[index,arg-type]
+        for (topic, partition, epoch), offsets in by_tp.items():
+            self._tracker.done_many(topic, partition, offsets, epoch)
+        self._since_commit += len(works)
+
     # ---- dead letters --------------------------------------------------------------------
 
     def _dead_letter_or_hold(self, w: _Work, error: BaseException, attempts: int) -> None:
@@ -561,10 +570,35 @@ class ReliableConsumer:
             # Claimed, but every record of the key waits behind a busy one: free it for the next claim.
             with contextlib.suppress(DedupStoreUnavailable):  # else the lease expires on its own
                 self._dedup.release(list(claimed - running))
-        self._dispatch(run, batch_handler)
+        if batch_handler is None and self._concurrency == 1 and not self._tracing:
+            self._run_claimed(run)
+        else:
+            self._dispatch(run, batch_handler)
         if later:
             self._held = later
             self._hold_paused(0.2)
+
+    def _run_claimed(self, works: list[_Work]) -> None:
+        """_run_each() for records that passed the dedup claim: first attempts bare, then one confirm
+        call and one tracker call per partition for the lot (in _flush_confirms)."""
+        assert self._handler is not None
+        handler = self._handler
+        handled: list[_Work] = []
+        try:
+            for w in works:
+                try:
+                    handler(w.msg)
+                except BaseException as exc:
+                    self._process(w, first_error=exc)  # retries, then the DLQ; it confirms on its own
+                    continue
+                handled.append(w)
+        finally:
+            self._counts["handled"] += len(handled)
+            unkeyed = [w for w in handled if w.key is None]
+            if unkeyed:
+                self._done_all(unkeyed)
+            with self._confirm_lock:
+                self._to_confirm.extend(w for w in handled if w.key is not None)
 
     def _hold_paused(self, timeout: float) -> None:
         """Wait `timeout` seconds with every partition paused, still serving the group (rebalances).
@@ -623,8 +657,7 @@ class ReliableConsumer:
             # Fail open: the effect happened; unconfirmed, a redelivery of the record may run again.
         else:
             self._store_back()
-        for w in pending:
-            self._done(w)
+        self._done_all(pending)
 
     def _release(self, works: list[_Work]) -> None:
         """Free the claims of records that did not finish, so their redelivery runs without waiting."""
