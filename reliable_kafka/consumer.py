@@ -309,6 +309,7 @@ class ReliableConsumer:
         for m in out:
             by_tp[(m.topic(), m.partition())].append(m.offset())  # type: ignore[index,arg-type]
         self._epochs = {tp: self._tracker.track_many(tp[0], tp[1], offs) for tp, offs in by_tp.items()}
+        self._fetched = by_tp
         return out
 
     def _work(self, msg: Message) -> _Work:
@@ -329,20 +330,34 @@ class ReliableConsumer:
 
     def _run_each(self, msgs: list[Message]) -> None:
         """The hot path (one thread, a record handler, no dedup, no tracing): each record's first attempt
-        runs bare and the completions reach the tracker in bulk, per partition; a record that fails goes
-        on through _process() (retries, DLQ or hold) from there."""
+        runs bare and the completions reach the tracker in bulk, per partition, reusing the grouping
+        _fetch() made; a record that fails goes on through _process() (retries, DLQ or hold), which
+        completes it itself."""
         assert self._handler is not None
-        handler, epochs = self._handler, self._epochs
-        finished: dict[tuple[str, int], list[int]] = defaultdict(list)
+        handler, epochs, fetched = self._handler, self._epochs, self._fetched
+        failed: list[Message] = []
+        finished_all = False
+        i = 0
         try:
-            for msg in msgs:
+            for i, msg in enumerate(msgs):  # noqa: B007 (i is read in the finally block)
                 try:
                     handler(msg)
                 except BaseException as exc:
+                    failed.append(msg)
                     self._process(self._work(msg), first_error=exc)
-                    continue
-                finished[(msg.topic(), msg.partition())].append(msg.offset())  # type: ignore[index,arg-type]
+            finished_all = True
         finally:
+            if finished_all and not failed:
+                finished = fetched
+            else:
+                # Left early (an exception from _process(), say): record i and the ones after it are
+                # not finished. Failed records were completed, or held, by _process() itself.
+                upto = len(msgs) if finished_all else i
+                skip = {id(m) for m in failed}
+                finished = defaultdict(list)
+                for m in msgs[:upto]:
+                    if id(m) not in skip:
+                        finished[(m.topic(), m.partition())].append(m.offset())  # type: ignore[index,arg-type]
             handled = 0
             for (topic, partition), offsets in finished.items():
                 self._tracker.done_many(topic, partition, offsets, epochs[(topic, partition)])

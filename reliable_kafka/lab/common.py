@@ -24,16 +24,22 @@ def topic_name(scenario: str, client: str) -> str:
     return f"lab-{scenario}-{client}-{uuid.uuid4().hex[:6]}"
 
 
-def bare_produce(bootstrap: str, topic: str, values: Sequence[bytes], **conf: Any) -> list[bytes]:
-    """The control client: plain confluent-kafka; returns the values whose delivery report said success."""
+def bare_produce(bootstrap: str, topic: str, values: Sequence[bytes], *, rate: float | None = None,
+                 **conf: Any) -> list[bytes]:
+    """The control client: plain confluent-kafka; returns the values whose delivery report said success.
+
+    `rate` (messages/s) paces the stream, so that a fault injected a moment after the start finds it
+    still running on a fast machine instead of finished and fully replicated.
+    """
     acked: list[bytes] = []
+    started = time.monotonic()
 
     def on_delivery(err: Any, msg: Any) -> None:
         if err is None:
             acked.append(msg.value())
 
     p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, **conf})
-    for v in values:
+    for i, v in enumerate(values):
         while True:
             try:
                 p.produce(topic, v, on_delivery=on_delivery)
@@ -41,6 +47,10 @@ def bare_produce(bootstrap: str, topic: str, values: Sequence[bytes], **conf: An
             except BufferError:
                 p.poll(0.05)
         p.poll(0)
+        if rate is not None and i % 100 == 99:
+            ahead = (i + 1) / rate - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)
     p.flush(60)
     return acked
 

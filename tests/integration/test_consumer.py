@@ -69,8 +69,17 @@ def _run_until(consumer: ReliableConsumer, handler, condition, timeout: float = 
     consumer.run(handler)
 
 
+def _ledger_size(ledger: Path) -> int:
+    return ledger.stat().st_size if ledger.exists() else 0
+
+
 def _kill_loop(mode: str, kafka: LocalKafkaCluster, topic: str, ledger: Path, kills: int, seed: int,
-               sleep_ms: float) -> int:
+               sleep_ms: float, after_progress: bool = False) -> int:
+    """Start the member, SIGKILL it after a random delay, `kills` times; then let it finish.
+
+    `after_progress`: the delay starts once the member has handled a record, not at its start, so a
+    slow start on a loaded machine cannot turn every kill into a kill before the first fetch.
+    """
     rng = random.Random(seed)
     group = f"crash-{mode}-{uuid.uuid4().hex[:6]}"
     done = 0
@@ -79,9 +88,17 @@ def _kill_loop(mode: str, kafka: LocalKafkaCluster, topic: str, ledger: Path, ki
         cmd = CHILD + ["--mode", mode, "--bootstrap", kafka.bootstrap_servers, "--topic", topic, "--group", group,
                        "--ledger", str(ledger), "--sleep-ms", str(sleep_ms), "--instance-id", "member-1",
                        "--idle", "6"]
+        size_at_start = _ledger_size(ledger)
         child = subprocess.Popen(cmd, cwd=ROOT)
         if done < kills:
-            time.sleep(rng.uniform(1.5, 3.0))
+            if after_progress:
+                progress_deadline = time.monotonic() + 60
+                while (_ledger_size(ledger) == size_at_start and child.poll() is None
+                       and time.monotonic() < progress_deadline):
+                    time.sleep(0.05)
+                time.sleep(rng.uniform(0.3, 1.2))
+            else:
+                time.sleep(rng.uniform(1.5, 3.0))
             if child.poll() is None:
                 child.kill()
                 child.wait()
@@ -110,7 +127,8 @@ def test_consumer_sigkilled_ten_times_handles_everything_while_autocommit_skips(
     control_topic = make_topic(partitions=3)
     control_values = fill(kafka.bootstrap_servers, control_topic, 20_000)
     control_ledger = tmp_path / "control.ledger"
-    c_kills = _kill_loop("control", kafka, control_topic, control_ledger, kills=4, seed=4, sleep_ms=1.0)
+    c_kills = _kill_loop("control", kafka, control_topic, control_ledger, kills=4, seed=4, sleep_ms=1.0,
+                         after_progress=True)
     control_gaps = set(control_values) - {line.split("\t")[0] for line in control_ledger.read_text().splitlines()}
     assert c_kills == 4
     assert len(control_gaps) > 0, "the auto-commit control skipped nothing: the fault did not bite"
