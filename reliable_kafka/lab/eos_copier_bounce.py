@@ -303,6 +303,9 @@ class CopierProcess:
         if proc is None:
             return None
         if proc.poll() is None:
+            # A copier restarted a moment ago may still be importing: before its SIGTERM handler is in
+            # place a SIGTERM kills it outright (exit -15) instead of stopping it gracefully.
+            self._started.wait(timeout)
             proc.terminate()
             try:
                 proc.wait(timeout)
@@ -336,13 +339,16 @@ def kill_rounds(
     finished: Callable[[], bool],
     deadline_s: float,
     seed: int = 7,
+    aim: Callable[[CopierProcess], bool] | None = None,
 ) -> Iterator[CopierProcess]:
     """Kafka's TransactionsTest bounce: each round, SIGKILL each copier once its current incarnation
     has made `at_progress` progress, and restart it. Yields each copier right after its restart.
 
     Progress is reported at commits, so each kill waits a random 0-0.5 s more: it should land inside
     a transaction, not right after one. Stops early when `finished()` says the copy is done (a kill
-    then proves nothing) or the deadline passes.
+    then proves nothing) or the deadline passes. `aim(copier)`, when given, is polled for up to 5 s after
+    that wait, and the kill comes as soon as it says yes (e.g. "the output has records of an open
+    transaction"), so fewer kills land between two transactions.
     """
     rng = random.Random(seed)
     deadline = time.monotonic() + deadline_s
@@ -358,6 +364,10 @@ def kill_rounds(
                     next_check = time.monotonic() + 1.0
                 time.sleep(0.1)
             time.sleep(rng.uniform(0.0, 0.5))
+            if aim is not None:
+                aim_until = time.monotonic() + 5
+                while time.monotonic() < aim_until and not aim(copier):
+                    pass
             copier.restart()
             yield copier
 
