@@ -346,7 +346,7 @@ def kill_rounds(
 
     Progress is reported at commits, so each kill waits a random 0-0.5 s more: it should land inside
     a transaction, not right after one. Stops early when `finished()` says the copy is done (a kill
-    then proves nothing) or the deadline passes. `aim(copier)`, when given, is polled for up to 5 s after
+    then proves nothing) or the deadline passes. `aim(copier)`, when given, is polled for up to 2 s after
     that wait, and the kill comes as soon as it says yes (e.g. "the output has records of an open
     transaction"), so fewer kills land between two transactions.
     """
@@ -365,7 +365,7 @@ def kill_rounds(
                 time.sleep(0.1)
             time.sleep(rng.uniform(0.0, 0.5))
             if aim is not None:
-                aim_until = time.monotonic() + 5
+                aim_until = time.monotonic() + 2
                 while time.monotonic() < aim_until and not aim(copier):
                     pass
             copier.restart()

@@ -118,9 +118,10 @@ def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka,
     # Static membership: a killed copier's restart takes its partition back at once instead of after a
     # session timeout, which keeps 12 kills within the time budget. (The broker test below runs the
     # group dynamically, with the rebalances and lost partitions that brings.)
-    # 3 ms a record: about 15 s of copying per copier, room for three rounds of kills and restarts.
-    eos = [copier(kafka, "eos", source, output, groups["eos"], f"c{i}", 3.0, static=True) for i in range(2)]
-    control = [copier(kafka, "control", source, control_output, groups["control"], f"c{i}", 3.0, static=True)
+    # 6 ms a record: about 30 s of copying per copier, room for three rounds of kills and restarts of
+    # four copiers one after the other (the copy must not finish before the last kill).
+    eos = [copier(kafka, "eos", source, output, groups["eos"], f"c{i}", 6.0, static=True) for i in range(2)]
+    control = [copier(kafka, "control", source, control_output, groups["control"], f"c{i}", 6.0, static=True)
                for i in range(2)]
 
     def done() -> bool:
