@@ -189,7 +189,12 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
                         format=f"%(asctime)s {args.instance} %(levelname)s %(name)s: %(message)s")
 
     reporter = _Reporter(_end_offsets(args.bootstrap, args.input))
-    consumer_overrides: dict[str, Any] = {"session.timeout.ms": args.session_timeout_ms}
+    # max.poll.interval.ms is also the group's rebalance timeout: a member that does not rejoin (blocked in
+    # a transactional call while a coordinator moves) holds every other member's partitions for that long.
+    # 60 s, just above the processor's retry deadline for one call, keeps a bounce from stalling the copy
+    # for the default five minutes; a member kicked out by it loses its partitions, aborts, and rejoins.
+    consumer_overrides: dict[str, Any] = {"session.timeout.ms": args.session_timeout_ms,
+                                          "max.poll.interval.ms": 60_000}
     if args.static_membership:
         consumer_overrides["group.instance.id"] = args.instance
     delay = args.delay_ms / 1000

@@ -13,7 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from reliable_kafka.consumer import DeadLetterPolicy, ReliableConsumer
@@ -143,10 +143,18 @@ def test_rebalance_storm_of_joins_kills_and_clean_stops_leaves_no_gaps(kafka, ma
 
     def spawn() -> subprocess.Popen[bytes]:
         # The members do not stop on their own (an idle timer would race the session timeout of a
-        # killed member on a slow host): the test stops them once the ledger is complete.
-        return subprocess.Popen(CHILD + ["--mode", "reliable", "--bootstrap", kafka.bootstrap_servers,
-                                         "--topic", topic, "--group", group, "--ledger", str(ledger),
-                                         "--sleep-ms", "0.3", "--idle", "600", "--concurrency", "2"], cwd=ROOT)
+        # killed member on a slow host): the test stops them once the ledger is complete. A member is
+        # handed back only once it honours SIGTERM: stopped while still importing, it would die of it.
+        ready = tmp_path / f"ready-{uuid.uuid4().hex[:8]}"
+        child = subprocess.Popen(CHILD + ["--mode", "reliable", "--bootstrap", kafka.bootstrap_servers,
+                                          "--topic", topic, "--group", group, "--ledger", str(ledger),
+                                          "--sleep-ms", "0.3", "--idle", "600", "--concurrency", "2",
+                                          "--ready-file", str(ready)], cwd=ROOT)
+        deadline = time.monotonic() + 60
+        while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), f"a group member did not start (exit {child.poll()})"
+        return child
 
     def handled() -> set[str]:
         return {line.split("\t")[0] for line in ledger.read_text().splitlines()} if ledger.exists() else set()
@@ -381,7 +389,21 @@ def test_killing_the_group_coordinator_mid_stream_loses_nothing(kafka, make_topi
             kafka.kill(desc.coordinator.id)
 
     consumer = ReliableConsumer(conf, [topic], commit_interval_s=0.2)
-    _run_until(consumer, handler, lambda: len(set(handled)) == 20_000, timeout=120)
+    checked = [0.0]
+
+    def all_handled_and_committed() -> bool:
+        # Handled is not enough: if the coordinator's move cost the member its partitions (session
+        # timeout), they come back at the last commit and the records after it are handled again
+        # before their offsets can be committed. Run until the commits, too, reach the end.
+        if len(set(handled)) < 20_000 or time.monotonic() - checked[0] < 1.0:
+            return False
+        checked[0] = time.monotonic()
+        try:
+            return sum(committed(kafka.bootstrap_servers, conf["group.id"], topic, 3).values()) == 20_000
+        except KafkaException:  # the coordinator is still moving: look again
+            return False
+
+    _run_until(consumer, handler, all_handled_and_committed, timeout=150)
     consumer.close()
     assert killed, "the coordinator was never killed"
     assert set(handled) == set(values)

@@ -30,10 +30,14 @@ def main() -> int:
     ap.add_argument("--instance-id")
     ap.add_argument("--idle", type=float, default=8.0)
     ap.add_argument("--concurrency", type=int, default=1)
+    ap.add_argument("--ready-file", help="created once SIGTERM is honoured, so a test never stops a member "
+                                         "that is still importing (it would die of the default SIGTERM)")
     args = ap.parse_args()
     # SIGTERM is honoured from here on, also before the consumer exists (a member stopped while starting).
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())
+    if args.ready_file:
+        open(args.ready_file, "w").close()  # noqa: SIM115 - an empty marker
 
     ledger = open(args.ledger, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     conf = {"bootstrap.servers": args.bootstrap, "group.id": args.group, "session.timeout.ms": 6000,
