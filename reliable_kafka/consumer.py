@@ -293,24 +293,31 @@ class ReliableConsumer:
         self.maybe_commit()
 
     def _fetch(self, n: int, timeout: float) -> list[Message]:
-        out = []
-        for msg in self._consumer.consume(num_messages=n, timeout=timeout):
+        msgs = self._consumer.consume(num_messages=n, timeout=timeout)
+        # One pass groups the offsets per partition for one tracker call each (the hot path). A fetch
+        # hands over runs of one partition, so the group is looked up once per run, not per record.
+        by_tp: dict[tuple[str, int], list[int]] = {}
+        offsets: list[int] = []
+        run_topic, run_partition = None, None
+        errors = False
+        for msg in msgs:
             err = msg.error()
             if err is not None:
+                errors = True
                 if err.code() == KafkaError._PARTITION_EOF:
                     continue
                 if err.fatal():
                     raise KafkaException(err)
                 log.warning("consumer error: %s", describe(err))
                 continue
-            out.append(msg)
-        # One tracker call per partition in the batch (the hot path).
-        by_tp: dict[tuple[str, int], list[int]] = defaultdict(list)
-        for m in out:
-            by_tp[(m.topic(), m.partition())].append(m.offset())  # type: ignore[index,arg-type]
+            topic, partition = msg.topic(), msg.partition()
+            if partition != run_partition or topic != run_topic:
+                run_topic, run_partition = topic, partition
+                offsets = by_tp.setdefault((topic, partition), [])  # type: ignore[arg-type]
+            offsets.append(msg.offset())  # type: ignore[arg-type]
         self._epochs = {tp: self._tracker.track_many(tp[0], tp[1], offs) for tp, offs in by_tp.items()}
         self._fetched = by_tp
-        return out
+        return [m for m in msgs if m.error() is None] if errors else msgs
 
     def _work(self, msg: Message) -> _Work:
         return _Work(msg, self._epochs[(msg.topic(), msg.partition())], None)  # type: ignore[index]

@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from reliable_kafka.errors import (
     ConfigError,
@@ -108,9 +108,12 @@ class Durability(str, enum.Enum):
 _SYNCHRONOUS = {Durability.PROCESS: "NORMAL", Durability.FSYNC: "FULL"}
 
 
-@dataclass(frozen=True, slots=True)
-class NewMessage:
-    """A message to spool; `message_id` is its stable rk-id (see reliable_kafka.ids.new_id)."""
+class NewMessage(NamedTuple):
+    """A message to spool; `message_id` is its stable rk-id (see reliable_kafka.ids.new_id).
+
+    A NamedTuple, not a dataclass: one is built per message on send's hot path, and a tuple is built
+    about three times faster than a frozen dataclass.
+    """
 
     message_id: str
     topic: str

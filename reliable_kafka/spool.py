@@ -7,6 +7,7 @@ an idempotent-producer fatal error, so no mode ever drops a message on its own.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -34,23 +35,40 @@ class Spool(Protocol):
 class MemorySpool:
     """Pending messages in a dict, in sequence order (durability mode `memory`).
 
-    Messages are kept as given (no per-message copy on the hot path); rows are built only when
-    someone asks for them (re-sends, inspection).
+    Messages are kept as given (no per-message copy or wrapper on the hot path: every object that lives
+    until its delivery report is one more for the garbage collector to walk); the time a message was
+    accepted is kept per batch, and rows are built only when someone asks for them (re-sends, inspection).
     """
 
     def __init__(self, max_messages: int = 1_000_000) -> None:
         self.max_messages = max_messages
-        self._rows: dict[int, tuple[NewMessage, int]] = {}  # seq -> (message, created_ms); seq order
+        self._rows: dict[int, NewMessage] = {}  # seq -> message; seq order
+        self._batch_firsts: list[int] = []  # the first seq of each appended batch (increasing) ...
+        self._batch_ms: list[int] = []  # ... and when that batch was accepted
         self._attempts: dict[int, tuple[int, str]] = {}
         self._failed: dict[int, OutboxRow] = {}
         self._next_seq = 1
         self._cond = threading.Condition()
 
+    def _created_ms(self, seq: int) -> int:
+        return self._batch_ms[bisect.bisect_right(self._batch_firsts, seq) - 1]
+
+    def _forget_old_batches(self) -> None:
+        """Drop the times of batches that have no pending message left (now and then, not per call)."""
+        if not self._rows:
+            self._batch_firsts.clear()
+            self._batch_ms.clear()
+            return
+        gone = bisect.bisect_right(self._batch_firsts, next(iter(self._rows))) - 1
+        if gone >= 64:
+            del self._batch_firsts[:gone]
+            del self._batch_ms[:gone]
+
     def _row(self, seq: int, state: str = "pending", error: str | None = None) -> OutboxRow:
-        m, created = self._rows[seq]
+        m = self._rows[seq]
         attempts, last = self._attempts.get(seq, (0, None))
         return OutboxRow(seq, m.message_id, m.topic, m.key, m.value, m.headers, m.partition, state,
-                         attempts, error if error is not None else last, created)
+                         attempts, error if error is not None else last, self._created_ms(seq))
 
     def append(self, messages: Sequence[NewMessage], *, timeout: float = 30.0) -> list[int]:
         n = len(messages)
@@ -69,9 +87,9 @@ class MemorySpool:
                 self._cond.wait(left)
             first = self._next_seq
             self._next_seq += n
-            rows = self._rows
-            for seq, m in zip(range(first, first + n), messages, strict=True):
-                rows[seq] = (m, now_ms)
+            self._rows.update(zip(range(first, first + n), messages, strict=True))
+            self._batch_firsts.append(first)
+            self._batch_ms.append(now_ms)
             return list(range(first, first + n))
 
     def pending(self, *, after_seq: int = 0, limit: int | None = None) -> list[OutboxRow]:
@@ -96,6 +114,7 @@ class MemorySpool:
             chosen = list(table) if seqs is None else [s for s in seqs if s in table]
             for seq in chosen:
                 del table[seq]
+            self._forget_old_batches()
             self._cond.notify_all()
             return len(chosen)
 
@@ -106,12 +125,14 @@ class MemorySpool:
                 rows.pop(seq, None)
                 if attempts:
                     attempts.pop(seq, None)
+            self._forget_old_batches()
             self._cond.notify_all()
 
     def mark_failed(self, seq: int, reason: str) -> None:
         with self._cond:
             if seq in self._rows:
-                m, created = self._rows.pop(seq)
+                created = self._created_ms(seq)
+                m = self._rows.pop(seq)
                 attempts = self._attempts.get(seq, (0, None))[0] + 1
                 self._failed[seq] = OutboxRow(seq, m.message_id, m.topic, m.key, m.value, m.headers, m.partition,
                                               "failed", attempts, reason, created)
@@ -131,8 +152,8 @@ class MemorySpool:
 
     def stats(self) -> OutboxStats:
         with self._cond:
-            oldest = next(iter(self._rows.values()), None)
-            age = (time.time_ns() // 1_000_000 - oldest[1]) / 1000 if oldest else None
+            oldest = next(iter(self._rows), None)
+            age = None if oldest is None else (time.time_ns() // 1_000_000 - self._created_ms(oldest)) / 1000
             return OutboxStats(len(self._rows), len(self._failed), age, 0, self.max_messages)
 
     def close(self) -> None:

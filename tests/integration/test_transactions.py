@@ -182,7 +182,9 @@ def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing
             kafka.wait_healthy()
         wait_until(lambda: group_lag(bs, group, source) == 0, 180, "the copy to finish")
     finally:
-        exit_codes = [c.stop() for c in eos]
+        # A graceful stop commits first; right after a coordinator moved, one transactional call may take
+        # the processor's whole retry deadline (2 x 30 s), so the stop gets more than that.
+        exit_codes = [c.stop(timeout=90) for c in eos]
         seen = reader.drain()
     assert exit_codes == [0, 0], [c.events("failed") + c.events("fenced") for c in eos]
     assert bounced_mid_copy == 3, f"only {bounced_mid_copy} broker bounce(s) hit the copy while it ran"
