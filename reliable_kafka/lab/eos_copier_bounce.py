@@ -8,6 +8,7 @@ read with read_committed, holds every input exactly once. Also the copier child 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import os
@@ -185,6 +186,9 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--session-timeout-ms", type=int, default=6_000)
     ap.add_argument("--transaction-timeout-ms", type=int, default=60_000)
     args = ap.parse_args(argv)
+    # A stop that overruns its time gets SIGUSR1 before SIGKILL: every thread's stack goes to stderr,
+    # so the log says where the copier was blocked.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {args.instance} %(levelname)s %(name)s: %(message)s")
 
@@ -250,6 +254,7 @@ class CopierProcess:
         self._progress = 0.0
         self._started = threading.Event()
         self._events: list[dict[str, Any]] = []
+        self.stop_overran = False  # the last stop() had to SIGKILL: the graceful stop took too long
 
     def start(self) -> None:
         env = dict(os.environ)
@@ -315,6 +320,11 @@ class CopierProcess:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                self.stop_overran = True
+                log.warning("%s did not stop within %.0fs of SIGTERM; its stacks follow, then SIGKILL", self.name,
+                            timeout)
+                proc.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)
                 proc.kill()
                 proc.wait()
         return proc.returncode

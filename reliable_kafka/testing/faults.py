@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from reliable_kafka.testing.cluster import LocalKafkaCluster
+from reliable_kafka.testing.cluster import LocalKafkaCluster, PartitionState
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +22,28 @@ class IsolatedLeader:
     leader: int
     followers: list[int]
     new_leader: int | None = None
+
+
+def settled_state(cluster: LocalKafkaCluster, topic: str, partition: int = 0, timeout: float = 60.0) -> PartitionState:
+    """The partition's state once two reads a second apart agree on a leader and a full ISR.
+
+    A broker that restarted a moment ago can still answer metadata requests with what it knew before
+    (no leader, or the old one); isolating the node such a read names would isolate the wrong one,
+    and the recipe would then lose nothing.
+    """
+    deadline = time.monotonic() + timeout
+    previous: PartitionState | None = None
+    while True:
+        state = cluster.partition_state(topic, partition)
+        settled = state is not None and state.leader >= 0 and sorted(state.isr) == sorted(state.replicas)
+        if settled and state == previous:
+            assert state is not None
+            return state
+        previous = state if settled else None
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{topic}[{partition}] has no settled leader with a full ISR after {timeout:.0f}s "
+                               f"(last seen: {state})")
+        time.sleep(1.0)
 
 
 @contextlib.contextmanager
@@ -34,9 +57,7 @@ def isolated_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 0) 
     restarts and truncates to the new leader's log. Records that only the old leader had are gone:
     exactly what acks=1 acknowledged and acks=all never did.
     """
-    state = cluster.partition_state(topic, partition)
-    if state is None or state.leader < 0:
-        raise RuntimeError(f"{topic}[{partition}] has no leader")
+    state = settled_state(cluster, topic, partition)
     followers = [r for r in state.replicas if r != state.leader]
     iso = IsolatedLeader(leader=state.leader, followers=followers)
     for f in followers:

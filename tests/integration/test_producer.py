@@ -5,6 +5,7 @@ Each fault scenario runs a control client beside ours to show the fault bites.
 
 from __future__ import annotations
 
+import logging
 import random
 import subprocess
 import sys
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.cluster
 
 CHILD = [sys.executable, "-m", "reliable_kafka.lab.programs.producer_proc"]
 ROOT = Path(__file__).resolve().parents[2]
+log = logging.getLogger(__name__)
 
 
 def _control_produce(bootstrap: str, topic: str, values: list[bytes], **conf: object) -> list[bytes]:
@@ -54,18 +56,29 @@ def test_send_many_delivers_everything_once_and_empties_the_outbox(kafka, make_t
 
 def test_isolated_leader_acks1_control_loses_and_reliable_producer_does_not(kafka, make_topic, tmp_path) -> None:
     topic = make_topic(partitions=1, configs={"min.insync.replicas": 2})
-    control_topic = make_topic(partitions=1, configs={"min.insync.replicas": 1})
     ours = [f"ours-{i}".encode() for i in range(500)]
-    producer = ReliableProducer(
-        {"bootstrap.servers": kafka.bootstrap_servers, "message.timeout.ms": 120_000}, outbox_path=tmp_path / "o.db"
-    )
-    try:
-        # The control gets its own isolated leader first (same recipe, same cluster).
+    # The control gets its own isolated leader first (same recipe, same cluster). On a loaded host the
+    # recipe has, rarely, isolated a node that metadata still named leader a moment after it no longer
+    # was: then nothing is lost. The fault is injected again on a fresh topic (at most three times);
+    # reliable-kafka's run below is judged once, on its first and only attempt.
+    control = None
+    for attempt in range(1, 4):
+        control_topic = make_topic(partitions=1, configs={"min.insync.replicas": 1})
         with isolated_leader(kafka, control_topic):
             control_acked = _control_produce(
                 kafka.bootstrap_servers, control_topic, [f"c-{i}".encode() for i in range(500)],
                 acks="1", **{"enable.idempotence": False, "message.timeout.ms": 20_000},
             )
+        control = verdict(control_acked, [m.value() for m in consume_all(kafka.bootstrap_servers, control_topic)])
+        if control.lost > 0:
+            break
+        log.warning("attempt %d: the recipe did not bite the acks=1 control (%s); again on a fresh topic",
+                    attempt, control)
+    assert control is not None and control.lost > 0, f"the fault did not bite the acks=1 control: {control}"
+    producer = ReliableProducer(
+        {"bootstrap.servers": kafka.bootstrap_servers, "message.timeout.ms": 120_000}, outbox_path=tmp_path / "o.db"
+    )
+    try:
         with isolated_leader(kafka, topic):
             for i in range(0, len(ours), 50):
                 producer.send_many([(topic, v) for v in ours[i : i + 50]])
@@ -74,9 +87,7 @@ def test_isolated_leader_acks1_control_loses_and_reliable_producer_does_not(kafk
         assert producer.flush(90) == 0
     finally:
         producer.close(10)
-    control = verdict(control_acked, [m.value() for m in consume_all(kafka.bootstrap_servers, control_topic)])
     reliable = verdict(ours, [m.value() for m in consume_all(kafka.bootstrap_servers, topic)])
-    assert control.lost > 0, f"the fault did not bite the acks=1 control: {control}"
     assert (reliable.lost, reliable.duplicates) == (0, 0), reliable
 
 
