@@ -171,6 +171,7 @@ class ReliableProducer:
         self._stop = threading.Event()
         self._producer = self._new_producer()
         self._counts = {"sent": 0, "delivered": 0, "failed": 0, "retried": 0, "recreated": 0}
+        self._report = type(self)._on_delivery  # unbound: see _produce()
 
         # Whatever a previous run left pending goes out first, in its original order.
         backlog = self._spool.pending(limit=1)
@@ -450,9 +451,9 @@ class ReliableProducer:
                 self._fail(seq, oversized)
                 return oversized
         headers: list[tuple[str, str | bytes | None]] = [(ID_HEADER, row.message_id.encode()), *row.headers]
-        # The class's function, not a bound method: one object less per in-flight message for the
-        # garbage collector to walk (the GC, not the calls, is most of a busy producer's overhead).
-        callback = functools.partial(_on_delivery, self, seq, self._generation, topic)
+        # The plain function, not a bound method: one object less per in-flight message for the
+        # garbage collector to walk (on a busy producer the GC is a large part of the overhead).
+        callback = functools.partial(self._report, self, seq, self._generation, topic)
         try:
             if row.partition is None:
                 self._producer.produce(topic, value, key, on_delivery=callback, headers=headers)
@@ -600,6 +601,3 @@ class ReliableProducer:
             log.warning("all brokers are down; messages stay in the outbox until they are back")
         else:
             log.debug("producer: %s", describe(err))
-
-
-_on_delivery = ReliableProducer._on_delivery
