@@ -10,10 +10,12 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -66,6 +68,8 @@ DEFAULT_RETRY_POLICY = RetryPolicy(attempts=3, initial_backoff_s=0.1, max_backof
 _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 5.0
 _MAX_FAILED_IN_A_ROW = 10
+# The shortest timeout a transactional call gets when a graceful stop is nearly out of time.
+_MIN_CALL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -212,6 +216,7 @@ class TransactionalProcessor:
         retry_policy: RetryPolicy | None = None,
         dlq_topic: str = DEFAULT_DLQ_TEMPLATE,
         operation_timeout_s: float = 30.0,
+        stop_timeout_s: float = 45.0,
         on_commit: Callable[[CommitInfo], None] | None = None,
     ) -> None:
         """Validate the settings; nothing connects until start() (or run(), or `with`).
@@ -220,9 +225,11 @@ class TransactionalProcessor:
         `consumer_overrides` / `producer_overrides` hold settings for one of them only. Unsafe
         settings (auto-commit, read_uncommitted, acks other than all, ...) raise ConfigError.
         `operation_timeout_s` bounds each transactional call; retriable failures are retried for up to
-        twice that. `retry_policy` retries a failing transform (default: 3 attempts, 0.1-1 s apart)
-        before its record is dead-lettered. `on_commit` is called after each committed transaction,
-        in the run() thread.
+        twice that. `stop_timeout_s` bounds a graceful stop: what cannot be committed by then (a
+        coordinator still moving, say) is given up, never lost: its input offsets stay uncommitted and the
+        next owner processes those records again. `retry_policy` retries a failing transform
+        (default: 3 attempts, 0.1-1 s apart) before its record is dead-lettered. `on_commit` is called
+        after each committed transaction, in the run() thread.
         """
         if isinstance(input_topics, str) or not input_topics:
             raise ConfigError("input_topics", "must be a non-empty list of topic names")
@@ -235,6 +242,8 @@ class TransactionalProcessor:
             raise ConfigError("max_batch_interval_s", f"must be > 0, got {max_batch_interval_s!r}")
         if not operation_timeout_s > 0:
             raise ConfigError("operation_timeout_s", f"must be > 0, got {operation_timeout_s!r}")
+        if not stop_timeout_s > 0:
+            raise ConfigError("stop_timeout_s", f"must be > 0, got {stop_timeout_s!r}")
         common = dict(config)
         self._consumer_conf = consumer_config(
             {**common, "group.id": group_id, **dict(consumer_overrides or {})}
@@ -260,11 +269,16 @@ class TransactionalProcessor:
         self._dlq_topics = {t: dlq_topic_for(t, dlq_topic) for t in self._input_topics}
         self._op_timeout = operation_timeout_s
         self._retry_deadline = 2 * operation_timeout_s
+        self._stop_timeout = stop_timeout_s
+        # Set when a graceful stop begins: every transactional call after it shares this deadline.
+        self._stop_by: float | None = None
+        # The thread inside run(), so that close() from another thread stops it before tearing down.
+        self._runner: threading.Thread | None = None
         self._on_commit = on_commit
 
         self._producer: Producer | None = None
         self._consumer: Consumer | None = None
-        self._committer: ThreadPoolExecutor | None = None
+        self._committer: _Committer | None = None
         self._stopping = threading.Event()
         self._closed = False
         self._broken: ReliableKafkaError | None = None
@@ -305,7 +319,7 @@ class TransactionalProcessor:
         # The producer first: init_transactions fences an earlier incarnation of this transactional.id
         # and aborts what it left open, so the committed offsets the consumer reads next are settled.
         self._producer = self._new_producer()
-        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rk-txn-commit")
+        self._committer = _Committer(f"rk-txn-commit-{self._transactional_id}")
         consumer = Consumer(self._consumer_conf)
         consumer.subscribe(
             self._input_topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
@@ -322,18 +336,26 @@ class TransactionalProcessor:
         in each case nothing of the open transaction becomes visible.
         """
         self.start()
+        self._runner = threading.current_thread()
         try:
-            while not self._stopping.is_set():
-                self._poll_once()
-        except RetryInterrupted as exc:
-            # stop() came while a transform waited to retry: that record stays unprocessed (and
-            # uncommitted); what was finished before it is committed below.
-            log.info("stopped while retrying a transform: %s", exc)
-        self._settle("stop requested")
+            try:
+                while not self._stopping.is_set():
+                    self._poll_once()
+            except RetryInterrupted as exc:
+                # stop() came while a transform waited to retry: that record stays unprocessed (and
+                # uncommitted); what was finished before it is committed below.
+                log.info("stopped while retrying a transform: %s", exc)
+            self.stop()  # starts the stop's clock if the loop ended some other way
+            self._settle("stop requested")
+        finally:
+            self._runner = None
         return self.stats()
 
     def stop(self) -> None:
-        """Ask run() to commit what is processed and return. Safe from signal handlers and threads."""
+        """Ask run() to commit what is processed and return within stop_timeout_s. Safe from signal
+        handlers and threads."""
+        if self._stop_by is None:
+            self._stop_by = time.monotonic() + self._stop_timeout
         self._stopping.set()
 
     def close(self) -> None:
@@ -344,8 +366,17 @@ class TransactionalProcessor:
         """
         if self._closed:
             return
+        runner = self._runner
+        if runner is not None and runner is not threading.current_thread():
+            # run() is active in another thread: tearing the clients down under it could leave a
+            # transaction open (holding back read_committed readers). Stop it first; its stop is bounded.
+            self.stop()
+            runner.join(self._stop_timeout + self._op_timeout)
+            if runner.is_alive():
+                log.warning("run() did not return within %.0fs of stop(); closing anyway",
+                            self._stop_timeout + self._op_timeout)
         self._closed = True
-        self._stopping.set()
+        self.stop()
         try:
             self._backlog.clear()
             if self._committing is not None and self._broken is None:
@@ -354,7 +385,7 @@ class TransactionalProcessor:
             if self._txn_open and self._broken is None and self._producer is not None:
                 self._txn_open = False
                 try:
-                    self._producer.abort_transaction(self._op_timeout)
+                    self._producer.abort_transaction(self._timeout())
                 except KafkaException as exc:  # the coordinator aborts it after transaction.timeout.ms
                     log.warning("abort on close failed: %s", kafka_errors.describe(exc))
         finally:
@@ -363,7 +394,8 @@ class TransactionalProcessor:
             if consumer is not None:
                 consumer.close()  # leaves the group; nothing is left to commit on revoke
             if self._committer is not None:
-                self._committer.shutdown(wait=True)
+                # A commit given up by an overdue stop may still be inside librdkafka: not waited for.
+                self._committer.shutdown(timeout=self._op_timeout if self._stop_by is None else _MIN_CALL_S)
             self._producer = None
 
     def stats(self) -> ProcessorStats:
@@ -399,6 +431,8 @@ class TransactionalProcessor:
                 room = self._max_batch - self._txn_messages
             else:
                 wait, room = _IDLE_POLL_S, self._max_batch
+            # A rebalance callback inside consume() may seek (a rewind) or reassign: librdkafka drops the
+            # records it had fetched before that (its version barrier), so what comes back is current.
             msgs = consumer.consume(num_messages=max(1, min(room, _CONSUME_CHUNK)), timeout=wait)
             if msgs:
                 self._process_batch(msgs)
@@ -652,9 +686,9 @@ class TransactionalProcessor:
             if partitions:
                 self._call(
                     "send_offsets_to_transaction",
-                    lambda: producer.send_offsets_to_transaction(partitions, metadata, self._op_timeout),
+                    lambda: producer.send_offsets_to_transaction(partitions, metadata, self._timeout()),
                 )
-            self._call("commit_transaction", lambda: producer.commit_transaction(self._op_timeout))
+            self._call("commit_transaction", lambda: producer.commit_transaction(self._timeout()))
 
     def _reap_commit(self, *, wait: bool) -> None:
         """Take the result of the background commit (blocking if `wait`); then write the backlog."""
@@ -663,13 +697,23 @@ class TransactionalProcessor:
         future, info = self._committing
         if not wait and not self._commit_over:
             return
-        self._committing = None
         try:
-            future.result()
+            if wait and self._stop_by is not None:
+                # A commit call cannot be cut short inside librdkafka (a hung coordinator holds it for up
+                # to socket.timeout.ms): a stop waits for it only until its own deadline.
+                future.result(timeout=max(0.0, self._stop_by - time.monotonic()))
+            else:
+                future.result()
+        except FutureTimeout:
+            self._committing = None
+            self._abandon("a commit still under way")
+            raise _Rewound from None
         except _TxnError as exc:
+            self._committing = None
             log.warning("transaction not committed: %s", exc)
             self._recover(exc)
             raise _Rewound from exc
+        self._committing = None
         self._failed_in_a_row = 0
         counts = self._counts
         counts.transactions_committed += 1
@@ -688,9 +732,31 @@ class TransactionalProcessor:
         while (self._committing is not None or self._txn_open) and self._broken is None:
             with contextlib.suppress(_Rewound):  # an abort rewinds: nothing is left to commit
                 if self._committing is None:
+                    if self._overdue():
+                        self._abandon(reason)
+                        return
                     log.debug("committing before returning (%s)", reason)
                     self._start_commit()
                 self._reap_commit(wait=True)
+
+    def _abandon(self, reason: str) -> None:
+        """A graceful stop ran out of time: give up the open transaction rather than wait on.
+
+        Nothing is lost: its input offsets were never committed, so the next owner processes its records
+        again, and its outputs are aborted (here if the producer still answers, else by the coordinator
+        when the next instance with this transactional.id starts, or after transaction.timeout.ms).
+        """
+        log.warning("%s: the stop ran past stop_timeout_s=%.0fs (%s); giving up the open transaction, whose "
+                    "records the next owner processes again", self._transactional_id, self._stop_timeout, reason)
+        self._counts.transactions_aborted += 1
+        telemetry.transaction_aborts.add(1)
+        had_open = self._txn_open
+        self._clear_txn()
+        self._backlog.clear()
+        producer = self._producer
+        if had_open and producer is not None:
+            with contextlib.suppress(KafkaException):
+                producer.abort_transaction(_MIN_CALL_S)
 
     def _recover(self, exc: _TxnError) -> None:
         """Act on a failed transactional call as next_step() decided.
@@ -701,6 +767,9 @@ class TransactionalProcessor:
         """
         if exc.step is TxnStep.STOP:
             raise self._stop_with(exc) from exc.error
+        if self._overdue():
+            self._abandon(str(exc))  # no time left to recreate a producer or to retry
+            return
         if exc.step is TxnStep.RECREATE:
             self._recreate_producer(str(exc))
         else:
@@ -723,10 +792,14 @@ class TransactionalProcessor:
         telemetry.transaction_aborts.add(1)
         self._clear_txn()
         try:
-            self._call("abort_transaction", lambda: producer.abort_transaction(self._op_timeout))
+            self._call("abort_transaction", lambda: producer.abort_transaction(self._timeout()))
         except _TxnError as exc:
             if exc.step is TxnStep.STOP:
                 raise self._stop_with(exc) from exc.error
+            if self._overdue():
+                # No time to start a fresh producer: the coordinator settles the transaction instead.
+                log.warning("abort failed while the stop ran out of time (%s); the coordinator aborts it", exc)
+                return
             self._recreate_producer(f"abort failed: {exc}", counted=True)
             return
         log.warning("transaction aborted (%s); rewinding to the committed offsets", reason)
@@ -752,7 +825,7 @@ class TransactionalProcessor:
     def _new_producer(self) -> Producer:
         producer = Producer(self._producer_conf)
         try:
-            self._call("init_transactions", lambda: producer.init_transactions(self._op_timeout))
+            self._call("init_transactions", lambda: producer.init_transactions(self._timeout()))
         except _TxnError as exc:
             if exc.step is TxnStep.STOP:
                 raise self._stop_with(exc) from exc.error
@@ -768,12 +841,14 @@ class TransactionalProcessor:
         """Run one transactional call; retry it while next_step() says RETRY, else raise _TxnError."""
 
         def disposition(exc: KafkaException) -> Disposition:
+            if self._overdue():
+                return Disposition.FATAL  # a graceful stop is out of time: no more retries
             return Disposition.RETRIABLE if next_step(operation, exc) is TxnStep.RETRY else Disposition.FATAL
 
         try:
             return retry_kafka_call(
                 fn,
-                deadline_s=self._retry_deadline,
+                deadline_s=self._deadline(),
                 what=f"{operation} ({self._transactional_id})",
                 classify=disposition,
                 retry_on=(Disposition.RETRIABLE,),
@@ -784,6 +859,21 @@ class TransactionalProcessor:
             if step is TxnStep.RETRY:
                 step = TxnStep.RECREATE  # still failing at the deadline: start over from a fresh producer
             raise _TxnError(operation, step, exc) from exc
+
+    def _timeout(self) -> float:
+        """One transactional call's timeout: operation_timeout_s, or what is left of a graceful stop."""
+        if self._stop_by is None:
+            return self._op_timeout
+        return max(_MIN_CALL_S, min(self._op_timeout, self._stop_by - time.monotonic()))
+
+    def _deadline(self) -> float:
+        """How long a failing call is retried: twice operation_timeout_s, or what is left of a stop."""
+        if self._stop_by is None:
+            return self._retry_deadline
+        return max(_MIN_CALL_S, min(self._retry_deadline, self._stop_by - time.monotonic()))
+
+    def _overdue(self) -> bool:
+        return self._stop_by is not None and time.monotonic() >= self._stop_by
 
     def _clear_txn(self) -> None:
         self._txn_open = False
@@ -798,13 +888,19 @@ class TransactionalProcessor:
         self._backlog.clear()
         if consumer is None or not self._owned:
             return
+        if self._stopping.is_set():
+            # Stopping: no seek (it could wait on a hung coordinator); instead nothing more is processed
+            # here, so no record after the rewound ones can be committed. The next owner starts at the
+            # committed offsets.
+            self._owned.clear()
+            return
         owned = [TopicPartition(t, p) for t, p in sorted(self._owned)]
         try:
             # read_committed makes librdkafka ask for stable offsets (KIP-447): pending transactional
             # offsets are waited for, not skipped.
             committed = retry_kafka_call(
-                lambda: consumer.committed(owned, timeout=self._op_timeout),
-                deadline_s=self._retry_deadline,
+                lambda: consumer.committed(owned, timeout=self._timeout()),
+                deadline_s=self._deadline(),
                 what="read committed offsets",
                 log=log,
             )
@@ -888,6 +984,41 @@ class TransactionalProcessor:
             self._positions.pop(key, None)
         if self._poison:
             self._poison = {k: v for k, v in self._poison.items() if (k[0], k[1]) not in gone}
+
+
+class _Committer:
+    """One daemon thread that runs commits in order.
+
+    Not a ThreadPoolExecutor: its threads are joined when the interpreter exits, so a commit that a stop
+    gave up on, still waiting inside librdkafka on a hung coordinator, would hold up the process's exit.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        future: Future[T] = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the loop's thread with the future
+                future.set_exception(exc)
+
+    def shutdown(self, timeout: float) -> None:
+        """Let queued commits finish, then end the thread; wait up to `timeout` for that."""
+        self._queue.put(None)
+        self._thread.join(timeout)
 
 
 def _where(msg: Message) -> tuple[str, int, int]:

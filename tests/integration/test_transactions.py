@@ -13,6 +13,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
@@ -156,6 +157,7 @@ def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka,
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # three broker bounces, a copy of up to 180 s and a stop of up to 90 s, each bounded
 def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing(kafka, make_topic) -> None:
     bs = kafka.bootstrap_servers
     source = make_topic(partitions=2, prefix="eos-in")
@@ -184,7 +186,8 @@ def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing
     finally:
         # A graceful stop commits first; right after a coordinator moved, one transactional call may take
         # the processor's whole retry deadline (2 x 30 s), so the stop gets more than that.
-        exit_codes = [c.stop(timeout=90) for c in eos]
+        with ThreadPoolExecutor(len(eos)) as stopping:  # side by side: each stop is bounded on its own
+            exit_codes = list(stopping.map(lambda c: c.stop(timeout=90), eos))
         seen = reader.drain()
     assert not any(c.events("failed") + c.events("fenced") for c in eos), \
         [c.events("failed") + c.events("fenced") for c in eos]
@@ -288,23 +291,27 @@ def test_poison_input_is_dead_lettered_inside_the_transaction_and_the_rest_goes_
         payload = value * 200_000 if value == oversized else value
         return [OutputRecord(output, payload, msg.key(), msg.headers())]
 
+    group = f"poison-{uuid.uuid4().hex[:6]}"
     processor = TransactionalProcessor(
-        {"bootstrap.servers": bs}, group_id=f"poison-{uuid.uuid4().hex[:6]}", input_topics=[source],
+        {"bootstrap.servers": bs}, group_id=group, input_topics=[source],
         transform=transform, transactional_id=f"poison-{uuid.uuid4().hex[:6]}",
         retry_policy=RetryPolicy(attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, jitter=False),
     )
     with processor:
         runner = threading.Thread(target=processor.run, daemon=True)
         runner.start()
-        wait_until(lambda: processor.stats().messages_committed >= len(values), 60, "the input to be processed")
+        # The group's committed offsets, not the commit counter, say when the input is done: records
+        # redone after the abort are counted again.
+        wait_until(lambda: group_lag(bs, group, source) == 0, 60, "the input to be processed")
         processor.stop()
-        runner.join(30)
+        runner.join(60)
+        assert not runner.is_alive(), "run() did not return after stop()"
     stats = processor.stats()
 
     # Each pass gets the retry policy's 3 attempts; the abort below makes some records pass twice.
     assert all(calls[v] in (3, 6) for v in unparsable), calls
     out = verdict(set(values) - unparsable - {oversized}, [m.value() or b"" for m in consume_all(bs, output)])
-    assert (out.lost, out.duplicates, out.consumed) == (0, 0, len(values) - 3), out
+    assert (out.lost, out.duplicates, out.consumed) == (0, 0, len(values) - 3), (out, stats)
     dead = list(consume_all(bs, f"{source}.dlq"))
     assert sorted(m.value() for m in dead) == sorted([*unparsable, oversized])
     by_value = {m.value(): (parse_dead_letter_headers(m.headers()), m) for m in dead}
@@ -315,3 +322,56 @@ def test_poison_input_is_dead_lettered_inside_the_transaction_and_the_rest_goes_
     assert "MSG_SIZE_TOO_LARGE" in by_value[oversized][0].error
     # The oversized output aborted its transaction once; the records before it were redone, not doubled.
     assert stats.dead_lettered == 3 and stats.transactions_aborted >= 1, stats
+
+
+def test_a_stop_while_every_broker_hangs_returns_in_time_and_the_next_instance_copies_exactly_once(
+    kafka, make_topic
+) -> None:
+    bs = kafka.bootstrap_servers
+    source = make_topic(partitions=2, prefix="hang-in")
+    output = make_topic(partitions=2, prefix="hang-out")
+    values = seed_input(bs, source, 3_000)
+    group, tid = f"hang-{uuid.uuid4().hex[:6]}", f"hang-{uuid.uuid4().hex[:6]}"
+
+    def transform(msg: Message) -> list[OutputRecord]:
+        time.sleep(0.002)  # the copy is still running when the brokers hang
+        return [OutputRecord(output, msg.value(), msg.key())]
+
+    def processor(stop_timeout_s: float) -> TransactionalProcessor:
+        return TransactionalProcessor({"bootstrap.servers": bs}, group_id=group, input_topics=[source],
+                                      transform=transform, transactional_id=tid, stop_timeout_s=stop_timeout_s)
+
+    first = processor(stop_timeout_s=5.0)
+    paused: list[int] = []
+    with first:
+        runner = threading.Thread(target=first.run, daemon=True)
+        runner.start()
+        wait_until(lambda: first.stats().outputs_committed > 0, 60, "a first commit")
+        try:
+            for node in kafka.node_ids:  # a whole-cluster hang: no commit, abort or rewind can get through
+                kafka.pause(node)
+                paused.append(node)
+            time.sleep(1.0)
+            asked = time.monotonic()
+            first.stop()
+            runner.join(60)
+            took = time.monotonic() - asked
+        finally:
+            for node in paused:
+                kafka.resume(node)
+        assert not runner.is_alive(), "run() still had not returned 60 s after stop() with stop_timeout_s=5"
+    # Each call that was under way when the stop began finishes within its own timeout (>= 1 s) first.
+    assert took < 5.0 + 15.0, f"run() returned {took:.1f}s after stop() with stop_timeout_s=5"
+    kafka.wait_healthy()
+    log.info("stop with every broker paused returned after %.1fs; %d committed before", took,
+             first.stats().messages_committed)
+
+    second = processor(stop_timeout_s=45.0)
+    with second:
+        runner = threading.Thread(target=second.run, daemon=True)
+        runner.start()
+        wait_until(lambda: group_lag(bs, group, source) == 0, 120, "the next instance to finish the copy")
+        second.stop()
+        runner.join(60)
+    assert first.stats().messages_committed < len(values), "the brokers hung only after the copy was over"
+    assert_exactly_once_in_key_order(kafka, output, values)

@@ -294,6 +294,9 @@ def test_transactional_config_is_checked_in_the_one_place() -> None:
         TransactionalProcessor({"bootstrap.servers": "b:9092"}, group_id="g", input_topics=["t"],
                                transform=lambda m: [], transactional_id="tx",
                                consumer_overrides={"isolation.level": "read_uncommitted"})
+    with pytest.raises(ConfigError, match="stop_timeout_s"):
+        TransactionalProcessor({"bootstrap.servers": "b:9092"}, group_id="g", input_topics=["t"],
+                               transform=lambda m: [], transactional_id="tx", stop_timeout_s=0)
 
 
 def test_outputs_carry_a_deterministic_rk_id(mock: MockCluster) -> None:
