@@ -427,3 +427,35 @@ def test_explicit_api_commits_only_acked_records(kafka, make_topic) -> None:
             consumer.ack(msg)  # offset 4 is never acked
         consumer.commit()
     assert committed(kafka.bootstrap_servers, conf["group.id"], topic, 1)[0] == 4
+
+
+@pytest.mark.parametrize("by_pattern", [False, True], ids=["two-topics", "regex"])
+def test_two_topics_with_the_same_partition_numbers_are_tracked_and_committed_apart(
+    kafka, make_topic, by_pattern: bool
+) -> None:
+    # A fetch can hand over topic A's partition 0 right after topic B's partition 0: the hot path must
+    # not take them for one run (it reads no topic when there is only one to read).
+    prefix = f"two-{uuid.uuid4().hex[:6]}"
+    topics = [make_topic(partitions=2, prefix=prefix) for _ in range(2)]
+    values = {t: fill(kafka.bootstrap_servers, t, 600, prefix=t) for t in topics}
+    conf = base_conf(kafka)
+    subscription = [f"^{prefix}-.*"] if by_pattern else topics
+    seen: Counter[bytes] = Counter()
+    expected = sum(len(v) for v in values.values())
+    with ReliableConsumer(conf, subscription, commit_every=100) as consumer:
+
+        def handler(msg) -> None:
+            seen[msg.value()] += 1
+            if sum(seen.values()) >= expected:
+                consumer.stop()
+
+        runner = threading.Thread(target=consumer.run, args=(handler,), daemon=True)
+        runner.start()
+        runner.join(90)
+        assert not runner.is_alive(), f"handled {sum(seen.values())} of {expected}"
+    assert set(seen) == {v.encode() for vs in values.values() for v in vs}
+    assert max(seen.values()) == 1
+    for t in topics:
+        offsets = committed(kafka.bootstrap_servers, str(conf["group.id"]), t, 2)
+        counts = Counter(m.partition() for m in consume_all(kafka.bootstrap_servers, t))
+        assert offsets == {p: counts[p] for p in range(2)}, (t, offsets, counts)
