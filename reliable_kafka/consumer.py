@@ -16,7 +16,6 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import groupby
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -40,12 +39,6 @@ from reliable_kafka.offsets import OffsetTracker
 from reliable_kafka.retry import RetryPolicy, retry_kafka_call
 
 log = logging.getLogger(__name__)
-
-# Unbound C methods of Message, for map() on the hot path.
-_error_of = Message.error
-_offset_of = Message.offset
-_partition_of = Message.partition
-_topic_of = Message.topic
 _rdkafka_log = logging.getLogger("reliable_kafka.rdkafka")
 
 Handler = Callable[[Message], Any]
@@ -110,10 +103,6 @@ class ReliableConsumer:
             raise ConfigError("max_in_flight", f"must be at least max_batch ({max_batch})")
         self._config = consumer_config(config)
         self.topics = list(topics)
-        # With one plain topic (no regex) a record's topic is known, and the hot path skips reading it.
-        self._single_topic: str | None = (
-            self.topics[0] if len(self.topics) == 1 and not self.topics[0].startswith("^") else None
-        )
         self._retry = retry or RetryPolicy()
         self._dead_letter = dead_letter
         self._concurrency = concurrency
@@ -305,45 +294,30 @@ class ReliableConsumer:
 
     def _fetch(self, n: int, timeout: float) -> list[Message]:
         msgs = self._consumer.consume(num_messages=n, timeout=timeout)
-        if msgs and any(map(_error_of, msgs)):
-            msgs = self._without_errors(msgs)
-        # The hot path: the offsets are grouped per partition for one tracker call each. The per-record
-        # fields are read by map() over the C methods, not by a Python loop: this grouping is most of
-        # what the consumer adds per record. A fetch hands over runs of one partition, so the Python
-        # loop below runs once per run.
+        # One pass groups the offsets per partition for one tracker call each (the hot path). A fetch
+        # hands over runs of one partition, so the group is looked up once per run, not per record.
         by_tp: dict[tuple[str, int], list[int]] = {}
-        if msgs:
-            offsets: list[int] = list(map(_offset_of, msgs))  # type: ignore[arg-type]  # consumed: never None
-            single = self._single_topic
-            keys: list[Any] = (
-                list(map(_partition_of, msgs)) if single is not None
-                else list(zip(map(_topic_of, msgs), map(_partition_of, msgs), strict=True))
-            )
-            start = 0
-            for key, run in groupby(keys):
-                end = start + len(list(run))
-                tp = (single, key) if single is not None else key
-                chunk = by_tp.get(tp)
-                if chunk is None:
-                    by_tp[tp] = offsets[start:end]
-                else:  # the same partition again after another one (not seen from one fetch so far)
-                    chunk.extend(offsets[start:end])
-                start = end
-        track = self._tracker.track_many
-        self._epochs = {tp: track(tp[0], tp[1], offs, fetched=True) for tp, offs in by_tp.items()}
-        self._fetched = by_tp
-        return msgs
-
-    def _without_errors(self, msgs: list[Message]) -> list[Message]:
-        """Drop the error events of a fetch (logged; a fatal one raises)."""
+        offsets: list[int] = []
+        run_topic, run_partition = None, None
+        errors = False
         for msg in msgs:
             err = msg.error()
-            if err is None or err.code() == KafkaError._PARTITION_EOF:
+            if err is not None:
+                errors = True
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                if err.fatal():
+                    raise KafkaException(err)
+                log.warning("consumer error: %s", describe(err))
                 continue
-            if err.fatal():
-                raise KafkaException(err)
-            log.warning("consumer error: %s", describe(err))
-        return [m for m in msgs if m.error() is None]
+            topic, partition = msg.topic(), msg.partition()
+            if partition != run_partition or topic != run_topic:
+                run_topic, run_partition = topic, partition
+                offsets = by_tp.setdefault((topic, partition), [])  # type: ignore[arg-type]
+            offsets.append(msg.offset())  # type: ignore[arg-type]
+        self._epochs = {tp: self._tracker.track_many(tp[0], tp[1], offs) for tp, offs in by_tp.items()}
+        self._fetched = by_tp
+        return [m for m in msgs if m.error() is None] if errors else msgs
 
     def _work(self, msg: Message) -> _Work:
         return _Work(msg, self._epochs[(msg.topic(), msg.partition())], None)  # type: ignore[index]
@@ -370,18 +344,12 @@ class ReliableConsumer:
         handler, epochs, fetched = self._handler, self._epochs, self._fetched
         failed: list[Message] = []
         finished_all = False
-        msg: Message | None = None
-        # One iterator for the whole batch: after a failure the loop goes on with the next record. No
-        # per-record index is kept (enumerate costs a tuple per record); a rare early exit finds it.
-        records = iter(msgs)
+        i = 0
         try:
-            while True:
+            for i, msg in enumerate(msgs):  # noqa: B007 (i is read in the finally block)
                 try:
-                    for msg in records:
-                        handler(msg)
-                    break
+                    handler(msg)
                 except BaseException as exc:
-                    assert msg is not None
                     failed.append(msg)
                     self._process(self._work(msg), first_error=exc)
             finished_all = True
@@ -389,9 +357,9 @@ class ReliableConsumer:
             if finished_all and not failed:
                 finished = fetched
             else:
-                # Left early (an exception from _process(), say): the record at hand and the ones after
-                # it are not finished. Failed records were completed, or held, by _process() itself.
-                upto = len(msgs) if finished_all else next(k for k, m in enumerate(msgs) if m is msg)
+                # Left early (an exception from _process(), say): record i and the ones after it are
+                # not finished. Failed records were completed, or held, by _process() itself.
+                upto = len(msgs) if finished_all else i
                 skip = {id(m) for m in failed}
                 finished = defaultdict(list)
                 for m in msgs[:upto]:

@@ -106,13 +106,8 @@ class OffsetTracker:
         finally:
             self._lock.release()
 
-    def track_many(self, topic: str, partition: int, offsets: Sequence[int], *, fetched: bool = False) -> int:
-        """`track()` for increasing offsets of one partition at once; returns the partition's epoch.
-
-        `fetched=True`: the offsets are one partition's records from a single consume() call, whose order
-        Kafka guarantees; only the step from the previous batch is checked (where a seek without reset()
-        would show), not every pair, which costs as much as the tracking itself.
-        """
+    def track_many(self, topic: str, partition: int, offsets: Sequence[int]) -> int:
+        """`track()` for increasing offsets of one partition at once; returns the partition's epoch."""
         key = (topic, partition)
         with self._lock:
             part = self._partitions.get(key)
@@ -122,9 +117,7 @@ class OffsetTracker:
                 return part.epoch
             previous = part.last_tracked
             # Checked pairwise in C (map/operator.lt); the Python loop only runs to name the culprit.
-            increasing = offsets[-1] >= offsets[0] if fetched else all(
-                map(operator.lt, offsets, itertools.islice(offsets, 1, None))
-            )
+            increasing = all(map(operator.lt, offsets, itertools.islice(offsets, 1, None)))
             if offsets[0] <= previous or not increasing:
                 for last, offset in itertools.pairwise([previous, *offsets]):
                     if offset <= last:
@@ -163,14 +156,13 @@ class OffsetTracker:
 
     def done_many(self, topic: str, partition: int, offsets: Iterable[int], epoch: int | None = None) -> bool:
         """`done()` for several offsets of one partition, all or none (ValueError if one is unknown)."""
-        # Set methods take the sequence as it is: no set is built from it on the hot path.
-        finished = offsets if isinstance(offsets, (list, tuple, set, frozenset)) else list(offsets)
+        finished = set(offsets)
         with self._lock:
             part = self._partitions.get((topic, partition))
             if epoch is not None and (part is None or part.epoch != epoch):
                 return False
             if part is None or not part.in_flight.issuperset(finished):
-                raise _not_in_flight(topic, partition, set(finished) - (part.in_flight if part else set()))
+                raise _not_in_flight(topic, partition, finished - (part.in_flight if part else set()))
             part.in_flight.difference_update(finished)
             part.release()
             return True
