@@ -95,6 +95,19 @@ def _record_size(value: bytes | None, key: bytes | None, headers: Sequence[tuple
     return 125 + len(value or b"") + len(key or b"") + sum(len(k) + len(v) + 4 for k, v in headers)
 
 
+_new_tuple = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (hot paths only)
+
+
+def _plain_rows(batch: Sequence[Any], ids: Sequence[str]) -> list[NewMessage] | None:
+    """NewMessages for a batch made only of (topic, bytes) pairs — the hot path — else None."""
+    try:
+        rows = [_new_tuple(NewMessage, (i, t, v, None, (), None))
+                for (t, v), i in zip(batch, ids, strict=True) if type(t) is str and t and type(v) is bytes]
+    except (TypeError, ValueError):  # a Message, or a tuple of another length
+        return None
+    return rows if len(rows) == len(batch) else None
+
+
 def _headers(headers: Headers) -> list[tuple[str, bytes]]:
     if not headers:
         return []
@@ -218,7 +231,9 @@ class ReliableProducer:
         if not batch:
             return []
         ids = new_ids(len(batch))
-        rows = [self._prepare(m, i) for m, i in zip(batch, ids, strict=True)]
+        rows = None if self._tracing else _plain_rows(batch, ids)
+        if rows is None:
+            rows = [self._prepare(m, i) for m, i in zip(batch, ids, strict=True)]
         for topic in {r.topic for r in rows} - self._checked_topics - self._deferred_topics.keys():
             self._preflight(topic)
         with self._send_lock:
@@ -227,7 +242,9 @@ class ReliableProducer:
             errors = self._dispatch_new(rows, seqs)
         self._counts["sent"] += len(rows)
         telemetry.messages_sent.add(len(rows))
-        return [Sent(r.message_id, s, errors.get(s)) for r, s in zip(rows, seqs, strict=True)]
+        if errors:
+            return [Sent(r.message_id, s, errors.get(s)) for r, s in zip(rows, seqs, strict=True)]
+        return [_new_tuple(Sent, (r[0], s, None)) for r, s in zip(rows, seqs, strict=True)]
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until every accepted message is delivered or failed; returns how many are still pending."""
@@ -345,9 +362,6 @@ class ReliableProducer:
     def _prepare(self, m: Message | tuple[str, Any], fresh_id: str) -> NewMessage:
         """Validate and serialize one message. The rk-id is kept as message_id, not as a stored header:
         it is added when the message is handed to librdkafka."""
-        if (type(m) is tuple and len(m) == 2 and type(m[0]) is str and m[0] and type(m[1]) is bytes
-                and not self._tracing):
-            return NewMessage(fresh_id, m[0], m[1])  # the hot path: (topic, bytes)
         if not isinstance(m, Message):
             m = Message(*m)
         if not isinstance(m.topic, str) or not m.topic:
@@ -431,15 +445,33 @@ class ReliableProducer:
         errors: dict[int, str] = {}
         if self._dispatched_upto != seqs[0] - 1 or self._redeliver or self._fatal is not None:
             return errors  # the poller hands them over from the spool, after the older ones
-        produce = self._produce
-        for row, seq in zip(rows, seqs, strict=True):
-            outcome = produce(row, seq)
-            if outcome is False:
-                return errors  # librdkafka's queue is full: the poller goes on from here
-            if outcome is not True:
-                errors[seq] = outcome
-            self._dispatched_upto = seq
-        return errors
+        # The common case inline (no per-message method call: this loop is most of send's cost);
+        # anything unusual, and every exception, takes the general path of _produce().
+        produce, partial, report, generation = self._producer.produce, functools.partial, self._report, self._generation
+        limits = self._max_bytes
+        upto = self._dispatched_upto
+        try:
+            for row, seq in zip(rows, seqs, strict=True):
+                message_id, topic, value, key, headers, partition = row
+                limit = limits.get(topic)
+                if partition is None and not headers and (
+                        limit is None or (len(value) if value else 0) + (len(key) if key else 0) + 4096 <= limit):
+                    try:
+                        produce(topic, value, key, on_delivery=partial(report, self, seq, generation, topic),
+                                headers=[(ID_HEADER, message_id.encode())])
+                        upto = seq
+                        continue
+                    except (BufferError, KafkaException):
+                        pass  # _produce() below says what it means
+                outcome = self._produce(row, seq)
+                if outcome is False:
+                    return errors  # librdkafka's queue is full: the poller goes on from here
+                if outcome is not True:
+                    errors[seq] = outcome
+                upto = seq
+            return errors
+        finally:
+            self._dispatched_upto = upto
 
     def _produce(self, row: NewMessage | OutboxRow, seq: int) -> bool | str:
         """True when librdkafka took it, False when its queue is full, a reason when refused for good."""

@@ -1,0 +1,50 @@
+"""rk-ids: unique, increasing within a process, valid UUIDv7, distinct across forked processes."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+from reliable_kafka.ids import id_timestamp_ms, new_id, new_ids
+
+
+def test_ids_are_unique_and_increasing_across_calls_and_counter_overflow() -> None:
+    # 10,000 in one call cannot fit one millisecond's 4,096 counter values: it borrows the next ones.
+    ids = new_ids(10_000) + new_ids(1) + [new_id() for _ in range(3_000)] + new_ids(5_000)
+    assert len(set(ids)) == len(ids)
+    assert ids == sorted(ids)
+
+
+def test_ids_are_uuid_version_7_with_the_time_they_were_made() -> None:
+    before = time.time_ns() // 1_000_000
+    ids = new_ids(50)
+    after = time.time_ns() // 1_000_000
+    for i in ids:
+        u = uuid.UUID(i)
+        assert (u.version, u.variant) == (7, uuid.RFC_4122)
+        assert str(u) == i
+    # Borrowed milliseconds can run a little ahead of the clock, never behind it.
+    assert before <= id_timestamp_ms(ids[0]) <= id_timestamp_ms(ids[-1]) <= after + 3
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_repeat_its_parents_ids() -> None:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: mint ids at once, as a Spark worker would after a fork
+        os.close(read)
+        os.write(write, "\n".join(new_ids(2_000)).encode())
+        os._exit(0)
+    os.close(write)
+    parent = set(new_ids(2_000))
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(pid, 0)
+    child = set(b"".join(chunks).decode().split("\n"))
+    assert len(child) == 2_000
+    assert not parent & child
