@@ -148,6 +148,10 @@ class ReliableProducer:
         on_failed: Callable[[OutboxRow], None] | None = None,
     ) -> None:
         self._config = producer_config(config)
+        for owned in ("on_delivery", "dr_msg_cb", "dr_cb"):
+            if owned in self._config:
+                raise ConfigError(owned, "ReliableProducer owns delivery reports (they clear the outbox); use "
+                                         "on_failed=, wait() or state() to follow a message")
         self.durability = Durability(durability)
         if preflight not in ("error", "warn", "off"):
             raise ConfigError("preflight", f"{preflight!r} is not 'error', 'warn' or 'off'")
@@ -184,7 +188,10 @@ class ReliableProducer:
         self._stop = threading.Event()
         self._producer = self._new_producer()
         self._counts = {"sent": 0, "delivered": 0, "failed": 0, "retried": 0, "recreated": 0}
-        self._report = type(self)._on_delivery  # unbound: see _produce()
+        # One bound method for every callback: a partial over it holds only (seq, generation, topic),
+        # a tuple of atoms the garbage collector stops tracking, so each in-flight message costs it
+        # one object (the partial) instead of two.
+        self._report = self._on_delivery
 
         # Whatever a previous run left pending goes out first, in its original order.
         backlog = self._spool.pending(limit=1)
@@ -441,7 +448,7 @@ class ReliableProducer:
     # ---- handing messages to librdkafka (called with _send_lock held) ----------------------
 
     def _dispatch_new(self, rows: Sequence[NewMessage], seqs: Sequence[int]) -> dict[int, str]:
-        """Hand fresh rows to librdkafka unless older ones are still waiting (order first)."""
+        """Hand new rows to librdkafka unless older ones are still waiting (order first)."""
         errors: dict[int, str] = {}
         if self._dispatched_upto != seqs[0] - 1 or self._redeliver or self._fatal is not None:
             return errors  # the poller hands them over from the spool, after the older ones
@@ -457,7 +464,7 @@ class ReliableProducer:
                 if partition is None and not headers and (
                         limit is None or (len(value) if value else 0) + (len(key) if key else 0) + 4096 <= limit):
                     try:
-                        produce(topic, value, key, on_delivery=partial(report, self, seq, generation, topic),
+                        produce(topic, value, key, on_delivery=partial(report, seq, generation, topic),
                                 headers=[(ID_HEADER, message_id.encode())])
                         upto = seq
                         continue
@@ -483,9 +490,7 @@ class ReliableProducer:
                 self._fail(seq, oversized)
                 return oversized
         headers: list[tuple[str, str | bytes | None]] = [(ID_HEADER, row.message_id.encode()), *row.headers]
-        # The plain function, not a bound method: one object less per in-flight message for the
-        # garbage collector to walk (on a busy producer the GC is a large part of the overhead).
-        callback = functools.partial(self._report, self, seq, self._generation, topic)
+        callback = functools.partial(self._report, seq, self._generation, topic)
         try:
             if row.partition is None:
                 self._producer.produce(topic, value, key, on_delivery=callback, headers=headers)

@@ -32,12 +32,21 @@ BOOT = {"bootstrap.servers": "127.0.0.1:1"}
         ("max.in.flight.requests.per.connection", 6, "outside 1..5"),
         ("retries", 3, "caps retries"),
         ("transactional.id", "x", "TransactionalProcessor"),
+        ("delivery.report.only.error", "true", "never be known as delivered"),
     ],
 )
 def test_unsafe_producer_settings_are_refused_naming_the_key(key: str, value: object, why: str) -> None:
     with pytest.raises(ConfigError, match=why) as info:
         producer_config({**BOOT, key: value})
     assert info.value.key in (key, "acks", "max.in.flight.requests.per.connection", "retries")
+
+
+@pytest.mark.parametrize("key", ["on_delivery", "dr_msg_cb"])
+def test_a_delivery_callback_in_the_config_is_refused(key: str) -> None:
+    # The producer's own delivery reports clear the outbox; a user's callback would replace them.
+    with pytest.raises(ConfigError, match="owns delivery reports") as info:
+        ReliableProducer({**BOOT, key: lambda err, msg: None}, durability="memory", preflight="off")
+    assert info.value.key == key
 
 
 @pytest.mark.parametrize(
