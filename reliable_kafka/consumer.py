@@ -366,8 +366,9 @@ class ReliableConsumer:
                     if id(m) not in skip:
                         finished[(m.topic(), m.partition())].append(m.offset())  # type: ignore[index,arg-type]
             handled = 0
+            complete = self._tracker.done_tracked if finished is fetched else self._tracker.done_many
             for (topic, partition), offsets in finished.items():
-                self._tracker.done_many(topic, partition, offsets, epochs[(topic, partition)])
+                complete(topic, partition, offsets, epochs[(topic, partition)])
                 handled += len(offsets)
             self._counts["handled"] += handled
             self._since_commit += handled

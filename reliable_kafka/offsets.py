@@ -167,6 +167,28 @@ class OffsetTracker:
             part.release()
             return True
 
+    def done_tracked(self, topic: str, partition: int, offsets: Sequence[int], epoch: int) -> bool:
+        """`done_many()` for exactly the offsets of this partition's last `track_many()` call (the
+        consume-a-batch path, after every record of the batch was handled).
+
+        When they are all that is in flight, the partition is simply done up to the last one, with
+        one pass over the batch instead of done_many()'s three (building a set of it, comparing,
+        subtracting). Otherwise (an older record still in flight, say) it is done_many().
+        """
+        with self._lock:
+            part = self._partitions.get((topic, partition))
+            if part is None or part.epoch != epoch:
+                return False
+            in_flight = part.in_flight
+            # Same size and all of them in it: the in-flight set is exactly these offsets, so
+            # `unreleased` holds just them (the done ones before them were released when done).
+            if offsets and len(in_flight) == len(offsets) and in_flight.issuperset(offsets):
+                in_flight.clear()
+                part.unreleased.clear()
+                part.committable = offsets[-1] + 1
+                return True
+        return self.done_many(topic, partition, offsets, epoch)
+
     def committable(self) -> dict[TopicPartition, int]:
         """Next-offsets safe to commit, for partitions that moved past their last mark_committed()."""
         with self._lock:

@@ -91,18 +91,28 @@ class OutputRecord:
 Transform = Callable[[Message], Iterable[OutputRecord]]
 Outputs = Sequence[OutputRecord]
 # One output, ready for produce(): topic, value, key, partition (-1: the partitioner's choice), headers
-# (with the rk-id), and the input it came from (partition, offset, dead-lettered or not).
-_Out = tuple[str, "bytes | None", "bytes | None", int, list[tuple[str, HeaderValue]], TopicPartitionKey, int, bool]
+# (with the rk-id), and the input it came from (partition, offset, dead-lettered or not). Headers are
+# kept as a tuple of pairs, or as the rk-id alone (a str) for an output without headers of its own,
+# and made a list (what produce() takes) only when written: a tuple of atoms is one the garbage
+# collector stops tracking, while a list would keep it tracked as long as it waits behind a commit.
+_OutHeaders = "str | tuple[tuple[str, HeaderValue], ...]"
+_Out = tuple[str, "bytes | None", "bytes | None", int, _OutHeaders, TopicPartitionKey, int, bool]
+
+
+def _out_headers(out: _Out) -> list[tuple[str, HeaderValue]]:
+    headers = out[4]
+    return [(ID_HEADER, headers)] if headers.__class__ is str else list(headers)  # type: ignore[arg-type]
 
 
 class _Batch:
     """Processed input records, flattened to what the transaction needs: their outputs and offsets.
 
     Records processed while a commit runs wait in one of these (the backlog, up to max_batch_messages
-    records) for the next transaction. They are held flat (one tuple and one header list per output)
-    rather than as the consumed Messages, the transform's OutputRecords and a tuple per record: with
-    tens of thousands of records waiting, the cyclic garbage collector's full passes over ~5 objects per
-    record cost about a third of the copy's throughput on the benchmark host (0.77 s of a 3.6 s copy).
+    records) for the next transaction. They are held flat (one tuple of atoms per output, which the
+    collector stops tracking at its first pass) rather than as the consumed Messages, the transform's
+    OutputRecords and a tuple per record: with tens of thousands of records waiting, the cyclic garbage
+    collector's full passes over ~5 objects per record cost about a third of the copy's throughput on
+    the benchmark host (0.77 s of a 3.6 s copy).
     """
 
     __slots__ = ("outputs", "offsets", "messages", "dead")
@@ -514,17 +524,19 @@ class TransactionalProcessor:
             # Each output gets its rk-id now, while the input is at hand: "<input rk-id>:<index>".
             base: str | None = None
             index = 0
-            headers: list[tuple[str, HeaderValue]]
+            headers: str | tuple[tuple[str, HeaderValue], ...]
             for out in outputs:
                 if out.headers is None:
                     if base is None:
                         base = _input_id(msg, key, offset)
-                    headers = [(ID_HEADER, f"{base}:{index}")]
+                    headers = f"{base}:{index}"  # the rk-id alone: the header list is made at produce()
                 else:
-                    headers = out.headers if out.headers.__class__ is list else _header_list(out.headers)
-                    if not _has_id(headers):  # the caller's list is left as it is
+                    given = out.headers if out.headers.__class__ is list else _header_list(out.headers)
+                    if _has_id(given):  # the caller's id is kept
+                        headers = tuple(given)
+                    else:
                         base = base or _input_id(msg, key, offset)
-                        headers = [*headers, (ID_HEADER, f"{base}:{index}")]
+                        headers = (*given, (ID_HEADER, f"{base}:{index}"))
                 flat.append((out.topic, out.value, out.key, -1 if out.partition is None else out.partition,
                              headers, key, offset, dead))
                 index += 1  # noqa: SIM113 - enumerate() would cost a tuple per output
@@ -633,7 +645,8 @@ class TransactionalProcessor:
             topic, value, key, partition, headers = out[0], out[1], out[2], out[3], out[4]
             try:
                 try:
-                    produce(topic, value, key, partition, headers=headers)
+                    produce(topic, value, key, partition,
+                            headers=[(ID_HEADER, headers)] if headers.__class__ is str else list(headers))
                 except BufferError:
                     self._produce_when_room(out)
             except KafkaException as exc:
@@ -651,7 +664,7 @@ class TransactionalProcessor:
         while True:
             producer.poll(0.05)
             with contextlib.suppress(BufferError):
-                producer.produce(out[0], out[1], out[2], out[3], headers=out[4])
+                producer.produce(out[0], out[1], out[2], out[3], headers=_out_headers(out))
                 return
 
     def _output_refused(self, out: _Out, exc: KafkaException) -> None:

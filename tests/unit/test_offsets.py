@@ -226,6 +226,27 @@ def test_a_batch_with_an_unknown_offset_marks_nothing() -> None:
     assert tracker.done_many(T, 0, [0], epoch) is False
 
 
+def test_done_tracked_finishes_a_whole_batch_and_falls_back_when_older_work_is_in_flight() -> None:
+    tracker = OffsetTracker()
+    epoch = tracker.track_many(T, 0, [3, 4, 6])
+    assert tracker.done_tracked(T, 0, [3, 4, 6], epoch)
+    assert (tracker.committable(), tracker.in_flight()) == ({TP: 7}, 0)
+    # A record of an earlier batch (a poison one waiting for its dead-letter write) is still in flight:
+    # the next batch's completion must not move the commit past it.
+    tracker.track(T, 0, 7)
+    epoch = tracker.track_many(T, 0, [8, 9])
+    assert tracker.done_tracked(T, 0, [8, 9], epoch)
+    assert (tracker.committable(), tracker.in_flight()) == ({TP: 7}, 1)
+    tracker.done(T, 0, 7)
+    assert tracker.committable() == {TP: 10}
+    # Stale after a drop, and an unknown offset is refused as done_many() refuses it.
+    epoch = tracker.track_many(T, 0, [10, 11])
+    with pytest.raises(ValueError, match=r"\[12\]"):
+        tracker.done_tracked(T, 0, [10, 12], epoch)
+    tracker.drop([TP])
+    assert tracker.done_tracked(T, 0, [10, 11], epoch) is False
+
+
 def test_concurrent_completions_from_worker_threads() -> None:
     """The poll thread tracks while 6 workers complete out of order; no update is lost."""
     tracker = OffsetTracker()
