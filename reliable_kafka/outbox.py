@@ -3,7 +3,8 @@
 A message appended here is durable when append() returns (WAL + synchronous=NORMAL or FULL) and leaves
 the spool only through mark_delivered() or an explicit purge(); a file that fails its checks is never touched.
 
-On-disk layout (schema version 1):
+On-disk layout (schema version 2; a version 1 file is upgraded in place when a producer opens it, by
+adding the ``batches`` table):
 
 - ``messages``: ``seq INTEGER PRIMARY KEY AUTOINCREMENT`` (strictly increasing, never reused, also after
   deletes and reopen), ``message_id TEXT`` (the rk-id; a re-sent message keeps its id, so it is not
@@ -12,6 +13,16 @@ On-disk layout (schema version 1):
   (unix ms). No secondary index: "pending in seq order" is a rowid range scan (failed rows are few), and
   every index would cost each append and each delete (measured: without the two we had, appends are
   about 3x and deletes about 3x faster).
+- ``batches``: a batch of plain messages (one topic; no key, headers or partition) appended together is
+  one row, because on a slow disk or CPU SQLite costs about 10 us per row and the batch's messages
+  share everything but their id and value: ``first_seq INTEGER PRIMARY KEY`` (its messages have seqs
+  ``first_seq .. first_seq + count - 1``, reserved from the ``messages`` table's AUTOINCREMENT
+  sequence, so seqs stay unique and ordered across both tables), ``count``, ``topic``, ``ids`` (the
+  message ids joined by newlines), ``sizes`` (the values' lengths, little-endian uint32 each),
+  ``payload`` (the values concatenated), ``created_ms``. The row is deleted once every message in it is
+  confirmed; which of them were confirmed before that is kept in memory only, so after a crash the
+  whole batch is sent again (each copy with its original's rk-id). A message of a batch that fails or
+  is retried gets a row of its own in ``messages`` (same seq), and the batch row goes.
 - ``meta``: ``key``/``value`` pairs; ``format = reliable-kafka-outbox`` marks the file as ours and
   ``schema_version`` says how to read it.
 - ``headers`` encoding: NULL for no headers, otherwise for each (name, value) pair in order a big-endian
@@ -23,9 +34,12 @@ both take disk: failed rows leave only through purge() or retry_failed() and a l
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import enum
 import fcntl
+import sys
+from array import array
 import logging
 import os
 import sqlite3
@@ -52,7 +66,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 FORMAT_MARKER = "reliable-kafka-outbox"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+_READABLE_VERSIONS = ("1", "2")  # 1: no batches table; upgraded to 2 when a producer opens it
 
 PENDING = "pending"
 FAILED = "failed"
@@ -84,6 +99,20 @@ CREATE TABLE messages (
     last_error TEXT,
     created_ms INTEGER NOT NULL
 )"""
+
+_BATCHES_DDL = """
+CREATE TABLE batches (
+    first_seq INTEGER PRIMARY KEY,
+    count INTEGER NOT NULL,
+    topic TEXT NOT NULL,
+    ids TEXT NOT NULL,
+    sizes BLOB NOT NULL,
+    payload BLOB NOT NULL,
+    created_ms INTEGER NOT NULL
+)"""
+# A batch of fewer plain messages is spooled row by row: one row per batch pays off from a few messages,
+# and small batches are the ones a failure or an inspection is most likely to look at one by one.
+_BATCH_MIN = 8
 
 _HEADER = struct.Struct(">HI")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -189,6 +218,69 @@ def _payload_size(key: bytes | None, value: bytes | None, headers: bytes | None)
         + (len(value) if value is not None else 0)
         + (len(headers) if headers is not None else 0)
     )
+
+
+@dataclass(slots=True)
+class _SpooledBatch:
+    """What the owner keeps in memory of one `batches` row."""
+
+    first: int
+    count: int
+    created_ms: int
+    size: int  # payload bytes of its undelivered messages (of all of them when `sizes` is None)
+    done: set[int]  # seqs confirmed delivered since this process opened the outbox
+    sizes: array[int] | None = None  # each value's length, kept when a byte bound needs it
+
+    @property
+    def last(self) -> int:
+        return self.first + self.count - 1
+
+
+def _sizes_blob(sizes: array[int]) -> bytes:
+    if sys.byteorder == "big":
+        sizes = array("I", sizes)
+        sizes.byteswap()
+    return sizes.tobytes()
+
+
+def _sizes_of(blob: bytes) -> array[int]:
+    sizes = array("I")
+    sizes.frombytes(blob)
+    if sys.byteorder == "big":
+        sizes.byteswap()
+    return sizes
+
+
+def _plain_batch(messages: Sequence[NewMessage]) -> tuple[str, str, array[int], bytes] | None:
+    """(topic, ids, sizes, payload) of a `batches` row when every message is plain, else None."""
+    if len(messages) < _BATCH_MIN:
+        return None
+    topic = messages[0].topic
+    values = []
+    for m in messages:
+        if m.topic != topic or m.key is not None or m.headers or m.partition is not None or type(m.value) is not bytes:
+            return None
+        values.append(m.value)
+    ids = "\n".join([m.message_id for m in messages])
+    if ids.count("\n") != len(messages) - 1:  # a caller's own id with a newline in it
+        return None
+    return topic, ids, array("I", map(len, values)), b"".join(values)
+
+
+def _batch_rows(first: int, topic: str, ids: str, sizes_blob: bytes, payload: bytes, created_ms: int,
+                skip: set[int], after_seq: int = 0, only: int | None = None) -> list[OutboxRow]:
+    """The pending rows of one `batches` row: seqs > after_seq not in `skip` (or just seq `only`)."""
+    sizes = _sizes_of(sizes_blob)
+    message_ids = ids.split("\n")
+    rows = []
+    pos = 0
+    for i, size in enumerate(sizes):
+        seq = first + i
+        if seq > after_seq and seq not in skip and (only is None or seq == only):
+            rows.append(OutboxRow(seq, message_ids[i], topic, None, payload[pos:pos + size], (), None, PENDING, 0,
+                                  None, created_ms))
+        pos += size
+    return rows
 
 
 def _primary_code(exc: sqlite3.Error) -> int | None:
@@ -298,6 +390,10 @@ class Outbox:
         self._pending = 0
         self._failed = 0
         self._bytes = 0
+        # `batches` rows by first seq, and their first seqs in order (to find a seq's batch by bisection).
+        self._batches: dict[int, _SpooledBatch] = {}
+        self._batch_firsts: list[int] = []
+        self._has_batches = True  # False for a version 1 file opened read-only (no batches table)
         if read_only:
             self._db = self._open_read_only()
         else:
@@ -373,6 +469,8 @@ class Outbox:
             conn.execute(f"PRAGMA synchronous={_SYNCHRONOUS[self.durability]}")
             if fresh:
                 self._create_schema(db)
+            else:
+                self._upgrade(conn)
             self._load_totals(conn)
         except sqlite3.Error as exc:
             conn.close()
@@ -439,7 +537,7 @@ class Outbox:
                 "has outbox-like tables but no reliable-kafka outbox marker in its meta table"
             )
         version = meta.get("schema_version")
-        if version != str(SCHEMA_VERSION):
+        if version not in _READABLE_VERSIONS:
             raise OutboxError(
                 f"outbox {self.path} has schema version {version}, this reliable-kafka reads version "
                 f"{SCHEMA_VERSION}; use the reliable-kafka version that wrote it"
@@ -450,6 +548,7 @@ class Outbox:
         # One transaction: a crash half-way leaves an empty database, which the next open initialises.
         with db.atomic():
             db.conn.execute(_MESSAGES_DDL)
+            db.conn.execute(_BATCHES_DDL)
             meta = db.table("meta")
             meta.create({"key": str, "value": str}, pk="key")
             meta.insert_all(
@@ -461,13 +560,51 @@ class Outbox:
             )
         log.info("created outbox %s", self.path)
 
+    def _upgrade(self, conn: sqlite3.Connection) -> None:
+        """Schema version 1 -> 2: add the (empty) batches table; the messages table is unchanged."""
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'batches'").fetchone():
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute(_BATCHES_DDL)
+            conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        log.info("outbox %s upgraded to schema version %d", self.path, SCHEMA_VERSION)
+
+    def _load_batches(self, conn: sqlite3.Connection) -> None:
+        """Rebuild the in-memory view of the batches table (nothing of it counts as delivered yet)."""
+        self._batches = {}
+        self._has_batches = conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'batches'").fetchone() is not None
+        if self._has_batches:
+            for first, count, created_ms, size, sizes in conn.execute(
+                    "SELECT first_seq, count, created_ms, length(payload), sizes FROM batches ORDER BY first_seq"):
+                kept = _sizes_of(sizes) if self.max_bytes is not None else None
+                self._batches[first] = _SpooledBatch(first, count, created_ms, size, set(), kept)
+        self._batch_firsts = list(self._batches)
+
+    def _batch_of(self, seq: int) -> _SpooledBatch | None:
+        firsts = self._batch_firsts
+        i = bisect.bisect_right(firsts, seq) - 1
+        if i < 0:
+            return None
+        batch = self._batches[firsts[i]]
+        return batch if seq <= batch.last else None
+
     def _load_totals(self, conn: sqlite3.Connection) -> None:
+        self._load_batches(conn)
         pending = failed = total_bytes = 0
+        for batch in self._batches.values():
+            pending += batch.count
+            total_bytes += batch.size
         for state, count, size in conn.execute(
             f"SELECT state, count(*), coalesce(sum({_SIZE_SQL}), 0) FROM messages GROUP BY state"
         ):
             if state == PENDING:
-                pending = count
+                pending += count
             elif state == FAILED:
                 failed = count
             total_bytes += size
@@ -536,19 +673,14 @@ class Outbox:
         if not messages:
             return []
         now_ms = time.time_ns() // 1_000_000
-        rows = []
+        rows: list[tuple[Any, ...]] = []
         size = 0
-        try:
-            for m in messages:
-                headers = encode_headers(m.headers) if m.headers else None
-                key, value = m.key, m.value
-                if not (key is None or type(key) is bytes) or not (value is None or type(value) is bytes):
-                    raise TypeError(f"key and value must be bytes or None, got {type(key)} / {type(value)}")
-                size += _payload_size(key, value, headers)
-                rows.append((m.message_id, m.topic, key, value, headers, m.partition, now_ms))
-        except (TypeError, struct.error, UnicodeEncodeError) as exc:  # struct: a header name over 64 KiB
-            raise SerializationError(f"cannot spool message {m.message_id}: {exc}") from exc
-        count = len(rows)
+        plain = _plain_batch(messages) if self._has_batches else None
+        if plain is not None:
+            size = len(plain[3])
+        else:
+            rows, size = self._rows_of(messages, now_ms)
+        count = len(messages)
         if count > self.max_messages or (self.max_bytes is not None and size > self.max_bytes):
             raise OutboxFull(
                 f"a batch of {count} messages ({size} bytes) can never fit outbox {self.path} "
@@ -571,13 +703,48 @@ class Outbox:
                 self._cond.wait(remaining)
                 self._usable()
             with self._transaction("append") as conn:
-                conn.executemany(_INSERT_SQL, rows)
-                last = conn.execute("SELECT last_insert_rowid()").fetchone()[0]
+                if plain is None:
+                    conn.executemany(_INSERT_SQL, rows)
+                    last = conn.execute("SELECT last_insert_rowid()").fetchone()[0]
+                else:
+                    # Reserve the batch's seqs from the messages table's AUTOINCREMENT sequence, which
+                    # never hands out a seq at or below its value.
+                    found = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'messages'").fetchone()
+                    last = (found[0] if found else 0) + count
+                    conn.execute("INSERT INTO batches VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                 (last - count + 1, count, plain[0], plain[1], _sizes_blob(plain[2]), plain[3],
+                                  now_ms))
+                    if found:
+                        conn.execute("UPDATE sqlite_sequence SET seq = ? WHERE name = 'messages'", (last,))
+                    else:
+                        conn.execute("INSERT INTO sqlite_sequence (name, seq) VALUES ('messages', ?)", (last,))
+            if plain is not None:
+                first = last - count + 1
+                self._batches[first] = _SpooledBatch(first, count, now_ms, size, set(),
+                                                     plain[2] if self.max_bytes is not None else None)
+                self._batch_firsts.append(first)  # seqs only grow: the list stays sorted
             self._pending += count
             if self.max_bytes is not None:
                 self._bytes += size
         # One writer inside one transaction: AUTOINCREMENT hands out consecutive seqs.
         return list(range(last - count + 1, last + 1))
+
+    @staticmethod
+    def _rows_of(messages: Sequence[NewMessage], now_ms: int) -> tuple[list[tuple[Any, ...]], int]:
+        """The `messages` rows of a batch and their payload bytes (SerializationError for a bad one)."""
+        rows = []
+        size = 0
+        try:
+            for m in messages:
+                headers = encode_headers(m.headers) if m.headers else None
+                key, value = m.key, m.value
+                if not (key is None or type(key) is bytes) or not (value is None or type(value) is bytes):
+                    raise TypeError(f"key and value must be bytes or None, got {type(key)} / {type(value)}")
+                size += _payload_size(key, value, headers)
+                rows.append((m.message_id, m.topic, key, value, headers, m.partition, now_ms))
+        except (TypeError, struct.error, UnicodeEncodeError) as exc:  # struct: a header name over 64 KiB
+            raise SerializationError(f"cannot spool message {m.message_id}: {exc}") from exc
+        return rows, size
 
     def _delete(self, conn: sqlite3.Connection, where: str, params: Sequence[object]) -> tuple[int, int]:
         """Delete the rows matching `where`: (rows deleted, their payload bytes when a byte bound is kept)."""
@@ -604,7 +771,26 @@ class Outbox:
         pending = failed = freed = 0
         with self._cond:
             self._writable()
+            # Seqs of batch rows are noted in memory; a batch row goes once all of its messages are in.
+            in_batches: dict[int, set[int]] = {}
+            if self._batches:
+                rows = []
+                batch_of = self._batch_of
+                for seq in wanted:
+                    batch = batch_of(seq)
+                    if batch is None:
+                        rows.append(seq)
+                    elif seq not in batch.done:
+                        in_batches.setdefault(batch.first, set()).add(seq)
+                wanted = rows
+            complete = [first for first, seqs_in in in_batches.items()
+                        if len(self._batches[first].done) + len(seqs_in) == self._batches[first].count]
+            if not wanted and not complete:
+                self._note_done(in_batches, complete)
+                return
             with self._transaction("mark_delivered") as conn:
+                for chunk in _chunks(complete):
+                    conn.execute(f"DELETE FROM batches WHERE first_seq IN ({_placeholders(len(chunk))})", chunk)
                 for chunk in _chunks(wanted):
                     in_chunk = f"seq IN ({_placeholders(len(chunk))})"
                     count, size = self._delete(conn, f"state = 'pending' AND {in_chunk}", chunk)
@@ -616,13 +802,65 @@ class Outbox:
                         count, size = self._delete(conn, in_chunk, chunk)
                         failed += count
                         freed += size
+            self._note_done(in_batches, complete)
             self._forget(pending, failed, freed)
+
+    def _note_done(self, in_batches: dict[int, set[int]], complete: list[int]) -> None:
+        """Apply delivered seqs of batch rows (after their transaction, if any, committed)."""
+        delivered = freed = 0
+        for first, seqs_in in in_batches.items():
+            batch = self._batches[first]
+            batch.done |= seqs_in
+            delivered += len(seqs_in)
+            if batch.sizes is not None:
+                sizes = batch.sizes
+                gone = sum(sizes[seq - first] for seq in seqs_in)
+                batch.size -= gone
+                freed += gone
+        for first in complete:
+            freed += self._forget_batch(first).size
+        if delivered:
+            self._pending -= delivered
+            if self.max_bytes is not None:
+                self._bytes -= freed
+            self._cond.notify_all()
+
+    def _forget_batch(self, first: int) -> _SpooledBatch:
+        batch = self._batches.pop(first)
+        del self._batch_firsts[bisect.bisect_left(self._batch_firsts, first)]
+        return batch
+
+    def _explode(self, conn: sqlite3.Connection, seqs: Iterable[int]) -> list[int]:
+        """Give the undelivered messages of the batch rows holding `seqs` rows of their own (same seqs),
+        inside the caller's transaction, so per-message changes (failed, attempts, purge) apply to them.
+        Returns the batches' first seqs: pass them to _exploded() once the transaction committed."""
+        firsts = sorted({batch.first for seq in seqs if (batch := self._batch_of(seq)) is not None})
+        for first in firsts:
+            found = conn.execute("SELECT topic, ids, sizes, payload, created_ms FROM batches WHERE first_seq = ?",
+                                 (first,)).fetchone()
+            if found is None:
+                continue
+            rows = _batch_rows(first, found[0], found[1], found[2], found[3], found[4], self._batches[first].done)
+            conn.executemany(
+                "INSERT INTO messages (seq, message_id, topic, key, value, headers, partition, created_ms) "
+                "VALUES (?, ?, ?, NULL, ?, NULL, NULL, ?)",
+                [(r.seq, r.message_id, r.topic, r.value, r.created_ms) for r in rows],
+            )
+            conn.execute("DELETE FROM batches WHERE first_seq = ?", (first,))
+        return firsts
+
+    def _exploded(self, firsts: list[int]) -> None:
+        """The batch rows are gone and their undelivered messages are rows of their own: counts and
+        bytes stay as they are (a batch's delivered messages were subtracted as they came in)."""
+        for first in firsts:
+            self._forget_batch(first)
 
     def mark_failed(self, seq: int, reason: str) -> None:
         """Park a message Kafka refused for good: state=failed, last_error=reason, attempts+1."""
         with self._cond:
             self._writable()
             with self._transaction("mark_failed") as conn:
+                exploded = self._explode(conn, (seq,))
                 found = conn.execute("SELECT state FROM messages WHERE seq = ?", (seq,)).fetchone()
                 if found is not None:
                     conn.execute(
@@ -630,6 +868,7 @@ class Outbox:
                         "WHERE seq = ?",
                         (reason, seq),
                     )
+            self._exploded(exploded)
             if found is None:
                 log.warning(
                     "outbox %s: mark_failed(%d) for a seq not in the spool (%s)", self.path, seq, reason
@@ -646,9 +885,11 @@ class Outbox:
         with self._cond:
             self._writable()
             with self._transaction("record_attempt") as conn:
+                exploded = self._explode(conn, (seq for _, seq in params))
                 conn.executemany(
                     "UPDATE messages SET attempts = attempts + 1, last_error = ? WHERE seq = ?", params
                 )
+            self._exploded(exploded)
 
     def retry_failed(self, seqs: Iterable[int] | None = None) -> int:
         """Move failed messages (all, or those in `seqs`) back to pending, keeping their seq; count them."""
@@ -673,11 +914,24 @@ class Outbox:
         purged = freed = 0
         with self._cond:
             self._writable()
+            wanted = None if seqs is None else list(seqs)
             with self._transaction("purge") as conn:
-                for where, params in self._selection(state, seqs):
+                exploded: list[int] = []
+                if state == PENDING:
+                    if wanted is None:  # every pending message: the batch rows go whole
+                        conn.execute("DELETE FROM batches")
+                        purged += sum(b.count - len(b.done) for b in self._batches.values())
+                        freed += sum(b.size for b in self._batches.values())
+                    else:
+                        exploded = self._explode(conn, wanted)
+                for where, params in self._selection(state, wanted):
                     count, size = self._delete(conn, where, params)
                     purged += count
                     freed += size
+            if state == PENDING and wanted is None:
+                self._batches.clear()
+                self._batch_firsts.clear()
+            self._exploded(exploded)
             if state == PENDING:
                 self._forget(purged, 0, freed)
             else:
@@ -724,15 +978,60 @@ class Outbox:
 
     def pending(self, *, after_seq: int = 0, limit: int | None = None) -> list[OutboxRow]:
         """Pending messages with seq > `after_seq`, in seq order (the order they were appended)."""
-        return self._query(
-            f"SELECT {_COLUMNS} FROM messages WHERE state = 'pending' AND seq > ? ORDER BY seq LIMIT ?",
-            (after_seq, -1 if limit is None else limit),
-        )
+        with self._cond:
+            self._usable()
+            try:
+                raw = self._conn.execute(
+                    f"SELECT {_COLUMNS} FROM messages WHERE state = 'pending' AND seq > ? ORDER BY seq LIMIT ?",
+                    (after_seq, -1 if limit is None else limit),
+                ).fetchall()
+                from_batches = self._pending_in_batches(after_seq, limit)
+            except sqlite3.Error as exc:
+                raise OutboxError(f"cannot read outbox {self.path}: {exc}") from exc
+        rows = [self._row(r) for r in raw]
+        if from_batches:
+            rows = sorted(rows + from_batches, key=lambda r: r.seq)[:limit]
+        return rows
+
+    def _pending_in_batches(self, after_seq: int, limit: int | None, only: int | None = None) -> list[OutboxRow]:
+        """Undelivered messages of batch rows with seq > after_seq (at least `limit` of them, when there
+        are), or just seq `only`. Called with the lock held."""
+        if self.read_only:  # the owning producer changes the file under us
+            self._load_batches(self._conn)
+        firsts = self._batch_firsts
+        if not firsts:
+            return []
+        rows: list[OutboxRow] = []
+        for first in firsts[max(0, bisect.bisect_right(firsts, after_seq) - 1):]:
+            if limit is not None and len(rows) >= limit:
+                break
+            batch = self._batches[first]
+            if batch.last <= after_seq:
+                continue
+            if only is not None and not batch.first <= only <= batch.last:
+                continue
+            found = self._conn.execute(
+                "SELECT topic, ids, sizes, payload, created_ms FROM batches WHERE first_seq = ?", (first,)
+            ).fetchone()
+            if found is not None:
+                rows.extend(_batch_rows(first, found[0], found[1], found[2], found[3], found[4], batch.done,
+                                        after_seq, only))
+            if only is not None:
+                break
+        return rows
 
     def get(self, seq: int) -> OutboxRow | None:
         """The row with this seq in any state, or None once it was delivered (or purged)."""
-        rows = self._query(f"SELECT {_COLUMNS} FROM messages WHERE seq = ?", (seq,))
-        return rows[0] if rows else None
+        with self._cond:
+            self._usable()
+            try:
+                raw = self._conn.execute(f"SELECT {_COLUMNS} FROM messages WHERE seq = ?", (seq,)).fetchone()
+                if raw is not None:
+                    return self._row(raw)
+                found = self._pending_in_batches(seq - 1, None, only=seq)
+            except sqlite3.Error as exc:
+                raise OutboxError(f"cannot read outbox {self.path}: {exc}") from exc
+        return found[0] if found else None
 
     def iter_pending(self, batch: int = 10_000) -> Iterator[OutboxRow]:
         """All pending messages in seq order, read `batch` rows at a time (the lock is free in between)."""
@@ -764,7 +1063,10 @@ class Outbox:
             except sqlite3.Error as exc:
                 raise OutboxError(f"cannot read outbox {self.path}: {exc}") from exc
             pending, failed = self._pending, self._failed
-        age = None if oldest is None else max(0.0, (time.time_ns() // 1_000_000 - oldest[0]) / 1000)
+            created = [oldest[0]] if oldest is not None else []
+            if self._batch_firsts:
+                created.append(self._batches[self._batch_firsts[0]].created_ms)
+        age = None if not created else max(0.0, (time.time_ns() // 1_000_000 - min(created)) / 1000)
         file_bytes = 0
         for suffix in ("", "-wal"):
             with contextlib.suppress(FileNotFoundError):

@@ -708,9 +708,14 @@ def test_read_only_viewer_sees_a_live_owner_and_refuses_writes(path: Path) -> No
 
 
 class OutboxModel(RuleBasedStateMachine):
-    """Random appends, deliveries, failures, retries, purges and reopens against a plain dict model."""
+    """Random appends, deliveries, failures, retries, purges and reopens against a plain dict model.
 
-    BOUND = 12
+    Appends of 8 or more plain messages become one batch row: the model knows that the messages of a
+    batch confirmed before a reopen come back as pending (the batch row goes only when all are in), and
+    that a failure inside a batch gives its messages rows of their own (confirmed ones stay gone).
+    """
+
+    BOUND = 30
 
     def __init__(self) -> None:
         super().__init__()
@@ -719,11 +724,21 @@ class OutboxModel(RuleBasedStateMachine):
         self.outbox = Outbox(self.path, max_messages=self.BOUND)
         self.model: dict[int, tuple[str, str]] = {}  # seq -> (message_id, state)
         self.highest_seq = 0
+        # first seq of each live batch row -> {seq: message_id} of all its messages, and the delivered ones
+        self.batches: dict[int, dict[int, str]] = {}
+        self.delivered_in: dict[int, set[int]] = {}
+
+    def _batch_of(self, seq: int) -> int | None:
+        return next((first for first, members in self.batches.items() if seq in members), None)
+
+    def _batch_gone(self, first: int) -> None:
+        del self.batches[first]
+        del self.delivered_in[first]
 
     def _seqs(self, state: str) -> list[int]:
         return sorted(seq for seq, (_, s) in self.model.items() if s == state)
 
-    @rule(n=st.integers(min_value=1, max_value=4))
+    @rule(n=st.integers(min_value=1, max_value=10))
     def append(self, n: int) -> None:
         batch = messages(n)
         if len(self.model) + n > self.BOUND:
@@ -735,6 +750,9 @@ class OutboxModel(RuleBasedStateMachine):
         self.highest_seq = seqs[-1]
         for seq, message in zip(seqs, batch, strict=True):
             self.model[seq] = (message.message_id, "pending")
+        if n >= 8:
+            self.batches[seqs[0]] = {seq: m.message_id for seq, m in zip(seqs, batch, strict=True)}
+            self.delivered_in[seqs[0]] = set()
 
     @precondition(lambda self: bool(self.model))
     @rule(data=st.data())
@@ -743,6 +761,11 @@ class OutboxModel(RuleBasedStateMachine):
         self.outbox.mark_delivered([*chosen, self.highest_seq + 1000])
         for seq in chosen:
             self.model.pop(seq, None)
+            first = self._batch_of(seq)
+            if first is not None:
+                self.delivered_in[first].add(seq)
+                if len(self.delivered_in[first]) == len(self.batches[first]):
+                    self._batch_gone(first)
 
     @precondition(lambda self: bool(self._seqs("pending")))
     @rule(data=st.data())
@@ -750,6 +773,9 @@ class OutboxModel(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self._seqs("pending")))
         self.outbox.mark_failed(seq, "refused")
         self.model[seq] = (self.model[seq][0], "failed")
+        first = self._batch_of(seq)
+        if first is not None:
+            self._batch_gone(first)
 
     @rule(data=st.data(), everything=st.booleans())
     def retry(self, data: st.DataObject, everything: bool) -> None:
@@ -771,6 +797,10 @@ class OutboxModel(RuleBasedStateMachine):
     def reopen(self) -> None:
         self.outbox.close()
         self.outbox = Outbox(self.path, max_messages=self.BOUND)
+        for first, members in self.batches.items():
+            for seq in self.delivered_in[first]:
+                self.model[seq] = (members[seq], "pending")
+            self.delivered_in[first] = set()
 
     @invariant()
     def matches_model(self) -> None:
@@ -793,3 +823,130 @@ TestOutboxModel.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+# ---- batch rows: a send_many() of plain messages is one row --------------------------------------
+
+
+def _table_counts(path: Path) -> tuple[int, int]:
+    conn = sqlite3.connect(path)
+    try:
+        return (conn.execute("SELECT count(*) FROM messages").fetchone()[0],
+                conn.execute("SELECT count(*) FROM batches").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def test_a_batch_of_plain_messages_is_one_row_and_reads_back_in_order_with_single_rows(path: Path) -> None:
+    keyed = NewMessage(new_id(), "orders", b"with a key", key=b"k")
+    with Outbox(path) as outbox:
+        first = outbox.append(messages(10))
+        single = outbox.append([keyed])
+        second = outbox.append(messages(8, topic="refunds"))
+        small = outbox.append(messages(3))  # below the batch size: rows of their own
+        assert first + single + second + small == list(range(first[0], first[0] + 22))
+        assert _table_counts(path) == (4, 2)
+        rows = outbox.pending()
+        assert [r.seq for r in rows] == first + single + second + small
+        assert rows[10].key == b"k" and rows[11].topic == "refunds" and rows[0].topic == "orders"
+        # Pages that start and end inside batches, as the producer's re-send reads them.
+        assert [r.seq for r in outbox.pending(after_seq=first[4], limit=9)] == first[5:] + single + second[:3]
+        assert [r.seq for r in outbox.iter_pending(batch=4)] == first + single + second + small
+        assert outbox.get(second[2]) == rows[13]
+        assert outbox.get(first[-1] + 100) is None
+    # Seqs keep growing after a reopen, for rows and batches alike.
+    with Outbox(path) as outbox:
+        later = outbox.append(messages(1)) + outbox.append(messages(9))
+        assert later[0] == small[-1] + 1 and later == list(range(later[0], later[0] + 10))
+
+
+def test_a_batch_row_goes_when_all_its_messages_are_confirmed(path: Path) -> None:
+    with Outbox(path) as outbox:
+        seqs = outbox.append(messages(10, size=50))
+        outbox.mark_delivered(seqs[:4] + seqs[6:])
+        assert [r.seq for r in outbox.pending()] == seqs[4:6]
+        assert outbox.stats().pending == 2 and outbox.get(seqs[0]) is None
+        assert _table_counts(path) == (0, 1)
+        outbox.mark_delivered(seqs[4:6] + seqs[4:6])  # a repeated report changes nothing
+        assert outbox.stats().pending == 0 and outbox.pending() == []
+        assert _table_counts(path) == (0, 0)
+
+
+def test_after_a_crash_a_partly_confirmed_batch_is_pending_whole(path: Path) -> None:
+    # What was confirmed of a batch is kept in memory only: after a restart it is sent again, with the
+    # same rk-ids, so a dedup store recognises the copies. Nothing is lost.
+    sent = messages(10)
+    with Outbox(path) as outbox:
+        seqs = outbox.append(sent)
+        outbox.mark_delivered(seqs[:7])
+    with Outbox(path) as outbox:
+        assert ids(outbox.pending()) == ids(sent)
+        assert outbox.stats().pending == 10
+
+
+def test_a_failure_inside_a_batch_parks_that_message_and_keeps_the_rest_pending(path: Path) -> None:
+    sent = messages(10)
+    with Outbox(path) as outbox:
+        seqs = outbox.append(sent)
+        outbox.mark_delivered(seqs[:2])
+        outbox.record_attempt([seqs[3]], "_MSG_TIMED_OUT")
+        assert _table_counts(path) == (8, 0)  # the undelivered 8 have rows of their own now
+        outbox.mark_failed(seqs[5], "MSG_SIZE_TOO_LARGE")
+        assert [(r.seq, r.attempts, r.last_error) for r in outbox.failed()] == [(seqs[5], 1, "MSG_SIZE_TOO_LARGE")]
+        pending = outbox.pending()
+        assert [r.seq for r in pending] == seqs[2:5] + seqs[6:]
+        assert (pending[1].attempts, pending[1].last_error) == (1, "_MSG_TIMED_OUT")
+        assert [r.value for r in pending] == [m.value for m in sent[2:5] + sent[6:]]
+        assert (outbox.stats().pending, outbox.stats().failed) == (7, 1)
+    with Outbox(path) as outbox:  # confirmed messages of the old batch stay gone
+        assert [r.seq for r in outbox.pending()] == seqs[2:5] + seqs[6:]
+
+
+def test_purging_pending_messages_covers_batch_rows(path: Path) -> None:
+    with Outbox(path) as outbox:
+        a = outbox.append(messages(10))
+        b = outbox.append(messages(9))
+        outbox.mark_delivered(a[:1])
+        assert outbox.purge(state="pending", seqs=[a[1], b[0], b[1]]) == 3
+        assert [r.seq for r in outbox.pending()] == a[2:] + b[2:]
+        assert outbox.purge(state="pending") == 15
+        assert outbox.pending() == [] and outbox.stats().pending == 0
+        assert _table_counts(path) == (0, 0)
+
+
+def test_ids_with_a_newline_are_spooled_row_by_row(path: Path) -> None:
+    odd = [NewMessage(f"caller-id\n{i}", "orders", b"v") for i in range(9)]
+    with Outbox(path) as outbox:
+        outbox.append(odd)
+        assert _table_counts(path) == (9, 0)
+        assert ids(outbox.pending()) == ids(odd)
+
+
+def test_a_read_only_viewer_sees_batch_rows(path: Path) -> None:
+    with Outbox(path) as outbox:
+        seqs = outbox.append(messages(12))
+        with Outbox(path, read_only=True) as viewer:
+            assert [r.seq for r in viewer.pending()] == seqs
+            assert viewer.stats().pending == 12 and viewer.get(seqs[3]) is not None
+            outbox.mark_delivered(seqs)
+            assert viewer.pending() == [] and viewer.stats().pending == 0
+
+
+def test_a_version_1_outbox_is_read_and_upgraded_by_its_next_owner(path: Path) -> None:
+    sent = messages(3)
+    with Outbox(path) as outbox:
+        outbox.append(sent)
+    conn = sqlite3.connect(path)
+    conn.execute("DROP TABLE batches")
+    conn.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    conn.commit()
+    conn.close()
+    with Outbox(path, read_only=True) as viewer:
+        assert ids(viewer.pending()) == ids(sent)
+    with Outbox(path) as outbox:
+        assert ids(outbox.pending()) == ids(sent)
+        outbox.append(messages(8))
+        assert _table_counts(path) == (3, 1)
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0] == "2"
+    conn.close()
