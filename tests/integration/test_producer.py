@@ -124,12 +124,13 @@ def _run_killed(mode: str, kafka: LocalKafkaCluster, topic: str, tmp_path: Path,
                        "--ledger", str(ledger)]
         child = subprocess.Popen(cmd, cwd=ROOT)
         if done_kills < kills:
-            # Kill mid-stream, not while the interpreter is still starting: wait for the ledger to grow.
-            size = ledger.stat().st_size
+            # Kill mid-stream at a random point: once this run has accepted a random 500-4000 more
+            # messages (by count, not time, so that a faster producer still gets all its kills in).
+            target = len(accepted) + rng.randint(500, 4_000)
             started = time.monotonic()
-            while ledger.stat().st_size == size and child.poll() is None and time.monotonic() - started < 60:
-                time.sleep(0.02)
-            time.sleep(rng.uniform(0.05, 0.6))
+            while (ledger.read_bytes().count(b"\n") < target and child.poll() is None
+                   and time.monotonic() - started < 60):
+                time.sleep(0.005)
             if child.poll() is None:
                 child.kill()  # SIGKILL, only our own child
                 child.wait()
