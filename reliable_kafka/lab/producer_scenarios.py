@@ -239,7 +239,13 @@ def producer_crash(cluster: LocalKafkaCluster, progress: Progress) -> list[Scena
                     "--outbox", str(Path(d) / "outbox.db"), "--start", str(start), "--end", str(total),
                     "--ledger", str(ledger)])
                 if kills < 5:
-                    time.sleep(rng.uniform(0.8, 2.0))
+                    # A random point mid-stream, by progress rather than time (a fast client would
+                    # otherwise finish before its five kills): 1,000-5,000 more accepted messages.
+                    target = len(accepted) + rng.randint(1_000, 5_000)
+                    waited = time.monotonic()
+                    while (ledger.read_bytes().count(b"\n") < target and child.poll() is None
+                           and time.monotonic() - waited < 60):
+                        time.sleep(0.005)
                     if child.poll() is None:
                         child.kill()
                         child.wait()
