@@ -514,6 +514,11 @@ class ReliableProducer:
 
     def _dispatch_backlog(self) -> None:
         """Poller: hand over spooled rows librdkafka has not got yet, in seq order."""
+        if not self._redeliver and self._dispatched_upto >= self._last_seq:
+            # Nothing waits (read without the lock: a send in progress is dispatching its own rows, and
+            # anything it leaves behind is seen next round). Taking the lock here made every poll round
+            # wait for the send in progress, and with it the delivery reports.
+            return
         with self._send_lock:
             # Only the seqs queued before this round: a retriable refusal re-queues at the back.
             for _ in range(len(self._redeliver)):
