@@ -101,11 +101,6 @@ def _check_producer(cfg: Mapping[str, Any], *, transactional: bool) -> None:
             f"{retries} caps retries, turning a short outage into failed sends; leave it unlimited and "
             "bound delivery time with message.timeout.ms instead",
         )
-    if _truthy(cfg.get("delivery.report.only.error", False)):
-        raise ConfigError(
-            "delivery.report.only.error",
-            "true hides successful deliveries, so a sent message could never be known as delivered",
-        )
     if "transactional.id" in cfg and not transactional:
         raise ConfigError(
             "transactional.id",

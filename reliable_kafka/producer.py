@@ -152,6 +152,10 @@ class ReliableProducer:
             if owned in self._config:
                 raise ConfigError(owned, "ReliableProducer owns delivery reports (they clear the outbox); use "
                                          "on_failed=, wait() or state() to follow a message")
+        if str(self._config.get("delivery.report.only.error", "false")).strip().lower() in ("true", "1"):
+            # (The Spark writer sets it on its own producers: it learns of success from flush() instead.)
+            raise ConfigError("delivery.report.only.error",
+                              "true hides successful deliveries, so a message could never leave the outbox")
         self.durability = Durability(durability)
         if preflight not in ("error", "warn", "off"):
             raise ConfigError("preflight", f"{preflight!r} is not 'error', 'warn' or 'off'")

@@ -32,7 +32,6 @@ BOOT = {"bootstrap.servers": "127.0.0.1:1"}
         ("max.in.flight.requests.per.connection", 6, "outside 1..5"),
         ("retries", 3, "caps retries"),
         ("transactional.id", "x", "TransactionalProcessor"),
-        ("delivery.report.only.error", "true", "never be known as delivered"),
     ],
 )
 def test_unsafe_producer_settings_are_refused_naming_the_key(key: str, value: object, why: str) -> None:
@@ -41,11 +40,16 @@ def test_unsafe_producer_settings_are_refused_naming_the_key(key: str, value: ob
     assert info.value.key in (key, "acks", "max.in.flight.requests.per.connection", "retries")
 
 
-@pytest.mark.parametrize("key", ["on_delivery", "dr_msg_cb"])
-def test_a_delivery_callback_in_the_config_is_refused(key: str) -> None:
-    # The producer's own delivery reports clear the outbox; a user's callback would replace them.
-    with pytest.raises(ConfigError, match="owns delivery reports") as info:
-        ReliableProducer({**BOOT, key: lambda err, msg: None}, durability="memory", preflight="off")
+@pytest.mark.parametrize(("key", "value", "why"), [
+    ("on_delivery", lambda err, msg: None, "owns delivery reports"),
+    ("dr_msg_cb", lambda err, msg: None, "owns delivery reports"),
+    ("delivery.report.only.error", True, "never leave the outbox"),
+])
+def test_settings_that_would_hide_delivery_reports_are_refused(key: str, value: object, why: str) -> None:
+    # The producer's own delivery reports clear the outbox; a user's callback would replace them, and
+    # reports of failures only would leave every delivered message pending for ever.
+    with pytest.raises(ConfigError, match=why) as info:
+        ReliableProducer({**BOOT, key: value}, durability="memory", preflight="off")
     assert info.value.key == key
 
 
