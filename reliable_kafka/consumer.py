@@ -749,7 +749,18 @@ class ReliableConsumer:
         for tp in partitions:
             self._tracker.reset(tp.topic, tp.partition)
             self._paused_by_us.discard((tp.topic, tp.partition))
+        # librdkafka keeps a partition's pause across a rebalance: one we paused (backlog full), lost
+        # and were given back would stay paused for ever, its records never fetched. Resuming a
+        # partition that is not paused changes nothing.
+        self._resume(partitions)
         log.info("assigned %s", [(tp.topic, tp.partition) for tp in partitions])
+
+    def _resume(self, partitions: list[TopicPartition]) -> None:
+        if partitions:
+            try:
+                self._consumer.resume([TopicPartition(tp.topic, tp.partition) for tp in partitions])
+            except KafkaException as exc:
+                log.debug("resume of %s: %s", [(tp.topic, tp.partition) for tp in partitions], exc)
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         revoked = {(tp.topic, tp.partition) for tp in partitions}
@@ -770,6 +781,8 @@ class ReliableConsumer:
         self._forget(lost)
 
     def _forget(self, partitions: set[tuple[str, int]]) -> None:
+        # Resumed before they go (see _on_assign): paused, they would stay paused if they came back.
+        self._resume([TopicPartition(t, p) for t, p in sorted(partitions & self._paused_by_us)])
         self._tracker.drop(partitions)
         with self._confirm_lock:
             self._stuck = [s for s in self._stuck if (s[0].msg.topic(), s[0].msg.partition()) not in partitions]

@@ -189,6 +189,50 @@ def test_rebalance_storm_of_joins_kills_and_clean_stops_leaves_no_gaps(kafka, ma
     assert sum(committed(kafka.bootstrap_servers, group, topic, 6).values()) == len(values)
 
 
+def test_a_partition_paused_before_a_rebalance_is_fetched_again_when_it_comes_back(kafka, make_topic) -> None:
+    """librdkafka keeps a partition paused across a rebalance. A member that paused everything (its
+    backlog was full), lost the partitions to a newcomer and got them back must fetch them again: the
+    rebalance storm once stalled on such a partition (its records never handled, all members healthy).
+    """
+    topic = make_topic(partitions=2)
+    values = fill(kafka.bootstrap_servers, topic, 200)
+    conf = base_conf(kafka)
+    first = ReliableConsumer(conf, [topic])
+    second = None
+    try:
+        # _hold_paused() is what run() does while the backlog is full: pause everything, serve the group.
+        deadline = time.monotonic() + 60
+        while len(first.assignment) < 2 and time.monotonic() < deadline:
+            first._hold_paused(0.2)
+        first._hold_paused(0.2)  # both partitions now paused by us
+        assert len(first.assignment) == 2
+        second = ReliableConsumer(conf, [topic])
+        deadline = time.monotonic() + 60
+        while not second.assignment and time.monotonic() < deadline:
+            second.poll(0.2)  # records it gets are never acked: they stay uncommitted
+            first._hold_paused(0.2)
+        assert second.assignment, "the second member never got a partition"
+        second.close()
+        second = None
+        deadline = time.monotonic() + 60
+        while len(first.assignment) < 2 and time.monotonic() < deadline:
+            first._hold_paused(0.2)
+        assert len(first.assignment) == 2, "the first member did not get both partitions back"
+        handled: set[str] = set()
+
+        def handler(msg) -> None:
+            handled.add(msg.value().decode())
+            if len(handled) == len(values):
+                first.stop()
+
+        first.run(handler, stop_after=45)
+        assert handled == set(values), f"{len(set(values) - handled)} records never fetched"
+    finally:
+        if second is not None:
+            second.close()
+        first.close()
+
+
 class _LatePause:
     """Wraps the inner Consumer so the first `misses` pause() calls leave the partitions fetching: what
     a rebalance does when it assigns a partition between our pause and our poll."""
