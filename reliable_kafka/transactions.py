@@ -645,8 +645,9 @@ class TransactionalProcessor:
             topic, value, key, partition, headers = out[0], out[1], out[2], out[3], out[4]
             try:
                 try:
-                    produce(topic, value, key, partition,
-                            headers=[(ID_HEADER, headers)] if headers.__class__ is str else list(headers))
+                    # Positional, as in ReliableProducer._produce: keywords cost ~1 µs a call.
+                    produce(topic, value, key, partition, None, None, 0,
+                            [(ID_HEADER, headers)] if headers.__class__ is str else list(headers))
                 except BufferError:
                     self._produce_when_room(out)
             except KafkaException as exc:

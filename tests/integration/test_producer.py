@@ -54,6 +54,31 @@ def test_send_many_delivers_everything_once_and_empties_the_outbox(kafka, make_t
     assert len({message_id_of(m.headers()) for m in msgs}) == 20_000, "every message carries its own rk-id"
 
 
+def _peak_in_flight(bootstrap: str, topic: str, path: Path, max_in_flight: int) -> tuple[int, int]:
+    """Send 30,000 messages in batches of 100 as fast as send_many() takes them; the highest number
+    librdkafka held after any batch, and how many an independent reader then found."""
+    peak = 0
+    with ReliableProducer({"bootstrap.servers": bootstrap}, outbox_path=path, max_in_flight=max_in_flight) as p:
+        for i in range(0, 30_000, 100):
+            p.send_many([(topic, f"{topic}-{j}".encode()) for j in range(i, i + 100)])
+            peak = max(peak, p.in_flight)
+        assert p.flush(60) == 0
+    return peak, len(list(consume_all(bootstrap, topic)))
+
+
+def test_max_in_flight_bounds_what_librdkafka_holds_and_loses_nothing(kafka, make_topic, tmp_path) -> None:
+    # librdkafka's copy of a message costs ~700 bytes of RSS: a sender that runs ahead of the brokers
+    # must wait (while they confirm), not pile its whole backlog into librdkafka.
+    bounded_topic, control_topic = make_topic(partitions=3), make_topic(partitions=3)
+    peak, found = _peak_in_flight(kafka.bootstrap_servers, bounded_topic, tmp_path / "a.db", max_in_flight=200)
+    control_peak, control_found = _peak_in_flight(kafka.bootstrap_servers, control_topic, tmp_path / "b.db",
+                                                  max_in_flight=1_000_000)
+    assert (found, control_found) == (30_000, 30_000)
+    assert control_peak > 300, f"unbounded, the sender should run ahead of the brokers (peak {control_peak})"
+    # The check comes before a batch is appended, so one batch (100) may go past the bound.
+    assert peak <= 300, f"librdkafka held {peak} messages with max_in_flight=200"
+
+
 def test_isolated_leader_acks1_control_loses_and_reliable_producer_does_not(kafka, make_topic, tmp_path) -> None:
     topic = make_topic(partitions=1, configs={"min.insync.replicas": 2})
     ours = [f"ours-{i}".encode() for i in range(500)]
@@ -170,8 +195,10 @@ def test_producer_process_sigkilled_ten_times_loses_nothing_while_bare_client_lo
 def test_all_brokers_down_send_keeps_accepting_then_everything_is_delivered(kafka, make_topic, tmp_path) -> None:
     topic = make_topic(partitions=2)
     values = [f"down-{i}".encode() for i in range(3000)]
+    # max_in_flight below what is sent while the brokers are away: send() must stop waiting for room
+    # once nothing is confirmed, and the outbox take the rest.
     p = ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "o.db",
-                         max_pending=2000, send_timeout=1.0)
+                         max_pending=2000, send_timeout=1.0, max_in_flight=500)
     try:
         p.send_many([(topic, v) for v in values[:500]])
         assert p.flush(30) == 0
