@@ -52,6 +52,11 @@ CONSUMER_DEFAULTS: dict[str, Any] = {
     "enable.partition.eof": False,
     "session.timeout.ms": 45_000,
     "max.poll.interval.ms": 300_000,
+    # Once a partition's prefetch queue passes queued.min.messages, librdkafka's default postpones
+    # its next fetch by a whole second: a handler a little slower than the brokers then drains the
+    # queue and waits idle for the rest of that second. Measured here on 1M records: 118k records/s
+    # at the default, 360k at 100 ms (librdkafka's CONFIGURATION.md suggests lowering it for this).
+    "fetch.queue.backoff.ms": 100,
 }
 
 

@@ -64,7 +64,9 @@ def consumer_bench(bootstrap: str, create_topic: CreateTopic, messages: int, pro
     run_variant("producer", "fill", _args(bootstrap, topic, messages))
     progress("consumer: warming the brokers' fetch path up")
     run_variant("consumer", "raw", _args(bootstrap, topic, messages))
-    results = _interleaved("consumer", ("raw", "reliable_consumer"), lambda: _args(bootstrap, topic, messages),
+    # raw_librdkafka_defaults: the same loop at librdkafka's fetch defaults, for reference (no target).
+    results = _interleaved("consumer", ("raw", "reliable_consumer", "raw_librdkafka_defaults"),
+                           lambda: _args(bootstrap, topic, messages),
                            repeat, progress)
     return rows_against("consumer", "raw", results, messages)
 

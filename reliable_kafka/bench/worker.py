@@ -92,10 +92,18 @@ class _Counting:
             self._on_last()
 
 
-def consume_raw(bootstrap: str, topic: str, n: int) -> float:
-    """Baseline: bare confluent-kafka poll loop with auto-commit, the same handler per record."""
+def consume_raw(bootstrap: str, topic: str, n: int, fetch_like_ours: bool = True) -> float:
+    """Baseline: bare confluent-kafka poll loop with auto-commit, the same handler per record.
+
+    `fetch_like_ours`: the same fetch.queue.backoff.ms as ReliableConsumer's defaults, so that the
+    ratio measures what the consumer adds, not a fetch setting (at librdkafka's default of 1 s the
+    fetch stalls, not the client, set the pace: see the `raw_librdkafka_defaults` variant).
+    """
+    from reliable_kafka.config import CONSUMER_DEFAULTS
+
+    fetch = {"fetch.queue.backoff.ms": CONSUMER_DEFAULTS["fetch.queue.backoff.ms"]} if fetch_like_ours else {}
     c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-raw-{time.time_ns()}",
-                  "auto.offset.reset": "earliest", "enable.auto.commit": True})
+                  "auto.offset.reset": "earliest", "enable.auto.commit": True, **fetch})
     c.subscribe([topic])
     handler = _Counting(n)
     while handler.handled < n:
@@ -146,6 +154,7 @@ def main() -> None:
         ("producer", "raw"): lambda: produce_raw(a.bootstrap, a.topic, a.messages),
         ("producer", "fill"): lambda: produce_raw(a.bootstrap, a.topic, a.messages, with_ids=True),
         ("consumer", "raw"): lambda: consume_raw(a.bootstrap, a.topic, a.messages),
+        ("consumer", "raw_librdkafka_defaults"): lambda: consume_raw(a.bootstrap, a.topic, a.messages, False),
         ("consumer", "reliable_consumer"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, None, None),
         ("dedup", "none"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, None, None),
         ("dedup", "sqlite"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, "sqlite", None),
