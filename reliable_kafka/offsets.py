@@ -189,6 +189,30 @@ class OffsetTracker:
                 return True
         return self.done_many(topic, partition, offsets, epoch)
 
+    def done_through(self, topic: str, partition: int, last: int) -> None:
+        """Every record of this partition up to `last` that was handed out is done (a batch handled
+        before it was tracked). The partition becomes committable up to `last` + 1, unless an older
+        record is still in flight: then `last` waits behind it, as done_many() would leave it.
+
+        Raises ValueError if `last` is not after everything tracked before (a rewind). A batch that
+        only overlaps what was tracked before is accepted: all of it was handled, some of it twice.
+        """
+        with self._lock:
+            key = (topic, partition)
+            part = self._partitions.get(key)
+            if part is None:
+                part = self._open(key)
+            if last <= part.last_tracked:
+                raise _not_increasing(topic, partition, last, part.last_tracked)
+            part.last_tracked = last
+            if part.in_flight:
+                # Only `last` stands for the batch: release() moves committable to last + 1 once the
+                # older in-flight records are done.
+                part.unreleased.append(last)
+            else:
+                part.unreleased.clear()
+                part.committable = last + 1
+
     def committable(self) -> dict[TopicPartition, int]:
         """Next-offsets safe to commit, for partitions that moved past their last mark_committed()."""
         with self._lock:

@@ -344,3 +344,46 @@ def test_server_answers_each_command_line_and_exits_on_sigterm() -> None:
             server.wait()
     assert server.returncode == 0, stderr
     assert b"mock cluster destroyed" in stderr
+
+
+@pytest.mark.parametrize("code", [KafkaError.OFFSET_METADATA_TOO_LARGE, KafkaError.GROUP_AUTHORIZATION_FAILED])
+def test_a_failed_asynchronous_commit_is_retried_synchronously(cluster: MockCluster, code: int) -> None:
+    """ReliableConsumer commits asynchronously in the steady state: a refused commit must not count as
+    committed, and the next commit goes through the synchronous path (classifier, retries)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    from reliable_kafka.consumer import ReliableConsumer
+
+    topic = new_topic(cluster)
+    producer = StatsProducer(cluster)
+    for i in range(200):
+        producer.producer.produce(topic, f"m-{i}".encode())
+    assert producer.producer.flush(10) == 0
+    group = f"g-{uuid.uuid4().hex[:8]}"
+    consumer = ReliableConsumer({"bootstrap.servers": cluster.bootstrap_servers, "group.id": group}, [topic],
+                                commit_interval_s=0.05, max_batch=10, max_in_flight=10, dead_letter=None)
+    handled: set[bytes] = set()
+    deliveries = 0
+
+    def handler(msg: Message) -> None:
+        nonlocal deliveries
+        deliveries += 1
+        handled.add(msg.value() or b"")
+        if deliveries == 100:
+            cluster.push_request_errors("OffsetCommit", [code])  # the next commit is refused, once
+        if deliveries >= 100:
+            time.sleep(0.005)  # batches of 10 at 50 ms: a commit goes out between most of them
+        if len(handled) == 200:
+            consumer.stop()
+
+    consumer.run(handler, stop_after=40)
+    counts = consumer.counts
+    consumer.close()
+    assert len(handled) == 200
+    assert counts.get("commit_failures", 0) >= 1, counts
+    reader = Consumer({"bootstrap.servers": cluster.bootstrap_servers, "group.id": group})
+    try:
+        committed = reader.committed([TopicPartition(topic, 0)], timeout=10)
+    finally:
+        reader.close()
+    assert committed[0].offset == 200

@@ -247,6 +247,24 @@ def test_done_tracked_finishes_a_whole_batch_and_falls_back_when_older_work_is_i
     assert tracker.done_tracked(T, 0, [10, 11], epoch) is False
 
 
+def test_done_through_finishes_a_handled_batch_but_waits_behind_older_work() -> None:
+    tracker = OffsetTracker()
+    tracker.done_through(T, 0, 6)
+    assert (tracker.committable(), tracker.in_flight()) == ({TP: 7}, 0)
+    # A poison record of an earlier batch is still in flight: the handled batch must not pass it.
+    tracker.track(T, 0, 7)
+    tracker.done_through(T, 0, 9)
+    assert (tracker.committable(), tracker.in_flight()) == ({TP: 7}, 1)
+    tracker.done(T, 0, 7)
+    assert tracker.committable() == {TP: 10}
+    # A rewind (nothing after the last tracked offset) is refused, as track_many() refuses it.
+    with pytest.raises(ValueError, match="offsets must increase"):
+        tracker.done_through(T, 0, 9)
+    tracker.reset(T, 0)
+    tracker.done_through(T, 0, 5)
+    assert tracker.committable() == {TP: 6}
+
+
 def test_concurrent_completions_from_worker_threads() -> None:
     """The poll thread tracks while 6 workers complete out of order; no update is lost."""
     tracker = OffsetTracker()
@@ -373,6 +391,18 @@ class TrackerMachine(RuleBasedStateMachine):
             self.next_offset[tp] = offsets[-1] + 1
         self.epochs[tp] = self.tracker.track_many(tp[0], tp[1], offsets)
         self.tracked[tp].extend(offsets)
+
+    @rule(tp=st.sampled_from(partitions), holes=st.lists(st.integers(min_value=0, max_value=3), min_size=1,
+                                                          max_size=8))
+    def deliver_handled_batch(self, tp: TopicPartition, holes: list[int]) -> None:
+        """The consumer's hot path: a batch handled whole before it is tracked (done_through)."""
+        offsets = []
+        for hole in holes:
+            offsets.append(self.next_offset[tp] + hole)
+            self.next_offset[tp] = offsets[-1] + 1
+        self.tracker.done_through(tp[0], tp[1], offsets[-1])
+        self.tracked[tp].extend(offsets)
+        self.finished[tp].update(offsets)
 
     @precondition(lambda self: bool(self._pending()))
     @rule(data=st.data(), with_epoch=st.booleans())
