@@ -87,7 +87,7 @@ class ReliableConsumer:
         max_in_flight: int = 2_000,
         max_batch: int = 500,
         commit_interval_s: float = 1.0,
-        commit_every: int = 10_000,
+        commit_every: int = 50_000,
         commit_timeout_s: float = 30.0,
         dedup: DedupStore | None = None,
         dedup_key: KeyFunction | None = None,
