@@ -180,6 +180,12 @@ def next_step(operation: str, error: KafkaError | KafkaException) -> TxnStep:
         # here only as _FATAL; the abort that follows reports its real reason (e.g. fenced).
         return TxnStep.ABORT
     disposition = kafka_errors.classify(error)
+    if operation == "abort_transaction" and disposition is Disposition.FATAL and not kafka_errors.is_fenced(error):
+        # Seen under load: an abort right after an output was refused answered INVALID_TXN_STATE,
+        # fatal to this producer only. Nothing newer owns the transactional.id, so a new producer's
+        # init_transactions settles the old transaction and the instance goes on (bounded by the
+        # failures-in-a-row limit, should it recur).
+        return TxnStep.RECREATE
     if disposition is Disposition.FATAL:
         return TxnStep.STOP
     if operation == "abort_transaction":

@@ -268,6 +268,8 @@ def _err(code: int, **flags: bool) -> KafkaException:
         ("abort_transaction", _err(KafkaError._TIMED_OUT, retriable=True), TxnStep.RETRY),
         ("abort_transaction", _err(KafkaError._STATE), TxnStep.RETRY),
         ("abort_transaction", _err(KafkaError.TOPIC_AUTHORIZATION_FAILED), TxnStep.RECREATE),
+        ("abort_transaction", _err(KafkaError.INVALID_TXN_STATE, fatal=True), TxnStep.RECREATE),
+        ("abort_transaction", _err(KafkaError._FENCED, fatal=True), TxnStep.STOP),
         ("produce", _err(KafkaError._STATE), TxnStep.ABORT),
         ("produce", _err(KafkaError._FATAL, fatal=True), TxnStep.ABORT),
         ("init_transactions", _err(KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, fatal=True), TxnStep.STOP),
