@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import sys
 import threading
 import time
 import zlib
@@ -73,7 +74,8 @@ class ReliableConsumer:
         concurrency (`concurrency=N`, records of one key stay in order), optional batch handler,
         optional dedup store; stops gracefully on `stop()` (e.g. from a SIGTERM handler).
       * explicit API: `for msg in consumer: ...; consumer.ack(msg)` — you say what was processed.
-    Offsets are committed every `commit_interval_s` or `commit_every` records, on revoke and on close.
+    Offsets are committed every `commit_interval_s` (and every `commit_every` records if set), on
+    revoke and on close.
     """
 
     def __init__(
@@ -87,7 +89,7 @@ class ReliableConsumer:
         max_in_flight: int = 2_000,
         max_batch: int = 500,
         commit_interval_s: float = 1.0,
-        commit_every: int = 50_000,
+        commit_every: int | None = None,
         commit_timeout_s: float = 30.0,
         dedup: DedupStore | None = None,
         dedup_key: KeyFunction | None = None,
@@ -101,6 +103,8 @@ class ReliableConsumer:
             raise ConfigError("concurrency", f"must be at least 1, got {concurrency}")
         if max_in_flight < max_batch:
             raise ConfigError("max_in_flight", f"must be at least max_batch ({max_batch})")
+        if commit_every is not None and commit_every < 1:
+            raise ConfigError("commit_every", f"must be at least 1 (or None: by interval only), got {commit_every}")
         self._config = consumer_config(config)
         self.topics = list(topics)
         self._retry = retry or RetryPolicy()
@@ -109,7 +113,9 @@ class ReliableConsumer:
         self._max_in_flight = max_in_flight
         self._max_batch = max_batch
         self._commit_interval_s = commit_interval_s
-        self._commit_every = commit_every
+        # None: by interval only (as Kafka's auto-commit does, but only processed offsets). A count
+        # is compared in the hot path, so None becomes a count that is never reached.
+        self._commit_every = sys.maxsize if commit_every is None else commit_every
         self._commit_timeout_s = commit_timeout_s
         self._dedup = dedup
         self._dedup_key: KeyFunction = dedup_key or (lambda m: message_id_of(m.headers()))  # type: ignore[arg-type]
@@ -421,10 +427,18 @@ class ReliableConsumer:
                 # cut from one fetch response, so usually all of one partition: then its last record
                 # is all there is to know.
                 topic = self._single_topic
-                parts = list(map(Message.partition, msgs))
-                if parts.count(parts[0]) == len(parts):
-                    done_through(topic, parts[0], msgs[-1].offset())  # type: ignore[arg-type]
+                first, last = msgs[0], msgs[-1]
+                partition, upto = last.partition(), last.offset()
+                if first.partition() == partition and upto - first.offset() == len(msgs) - 1:  # type: ignore[operator]
+                    # First and last of one partition, offsets without a gap: all of it, in the usual
+                    # case, found in O(1) (the exact pass below costs ~35 ns a record, ~3% of the
+                    # consumer's time here). Should another partition's records sit inside a gap of
+                    # this one's offsets (transaction markers) they are not lost, only not advanced
+                    # now: done_through() marks nothing that was not handled, and their partition
+                    # advances with the next batch that ends in it or is mixed.
+                    done_through(topic, partition, upto)  # type: ignore[arg-type]
                 else:
+                    parts = list(map(Message.partition, msgs))
                     for partition, upto in dict(zip(parts, map(Message.offset, msgs))).items():
                         done_through(topic, partition, upto)  # type: ignore[arg-type]
             else:
