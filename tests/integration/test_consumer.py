@@ -3,6 +3,7 @@ coordinator loss and poison records; an auto-commit control beside it shows the 
 
 from __future__ import annotations
 
+import logging
 import random
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
 
 pytestmark = pytest.mark.cluster
+log = logging.getLogger(__name__)
 
 CHILD = [sys.executable, "-m", "reliable_kafka.lab.programs.consumer_proc"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,6 +132,9 @@ def test_consumer_sigkilled_ten_times_handles_everything_while_autocommit_skips(
     c_kills = _kill_loop("control", kafka, control_topic, control_ledger, kills=4, seed=4, sleep_ms=1.0,
                          after_progress=True)
     control_gaps = set(control_values) - {line.split("\t")[0] for line in control_ledger.read_text().splitlines()}
+    log.info("consumer SIGKILLs: ours %d kills, %d of %d never handled, %d handled twice; "
+             "auto-commit control %d kills, %d of %d never handled",
+             kills, len(gaps), len(values), duplicates, c_kills, len(control_gaps), len(control_values))
     assert c_kills == 4
     assert len(control_gaps) > 0, "the auto-commit control skipped nothing: the fault did not bite"
 
