@@ -439,13 +439,13 @@ class ReliableConsumer:
                     done_through(topic, partition, upto)  # type: ignore[arg-type]
                 else:
                     parts = list(map(Message.partition, msgs))
-                    for partition, upto in dict(zip(parts, map(Message.offset, msgs))).items():
-                        done_through(topic, partition, upto)  # type: ignore[arg-type]
+                    for part, last_offset in dict(zip(parts, map(Message.offset, msgs), strict=True)).items():
+                        done_through(topic, part, last_offset)  # type: ignore[arg-type]
             else:
                 offsets = map(Message.offset, msgs)
-                keys = zip(map(Message.topic, msgs), map(Message.partition, msgs))
-                for (topic, partition), upto in dict(zip(keys, offsets)).items():
-                    done_through(topic, partition, upto)  # type: ignore[arg-type]
+                keys = zip(map(Message.topic, msgs), map(Message.partition, msgs), strict=True)
+                for (t, part), last_offset in dict(zip(keys, offsets, strict=True)).items():
+                    done_through(t, part, last_offset)  # type: ignore[arg-type]
             self._counts["handled"] += len(msgs)
             self._since_commit += len(msgs)
             return

@@ -38,14 +38,14 @@ import bisect
 import contextlib
 import enum
 import fcntl
-import sys
-from array import array
 import logging
 import os
 import sqlite3
 import struct
+import sys
 import threading
 import time
+from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path

@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeAlias, TypeVar, cast
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -95,7 +95,7 @@ Outputs = Sequence[OutputRecord]
 # kept as a tuple of pairs, or as the rk-id alone (a str) for an output without headers of its own,
 # and made a list (what produce() takes) only when written: a tuple of atoms is one the garbage
 # collector stops tracking, while a list would keep it tracked as long as it waits behind a commit.
-_OutHeaders = "str | tuple[tuple[str, HeaderValue], ...]"
+_OutHeaders: TypeAlias = "str | tuple[tuple[str, HeaderValue], ...]"
 _Out = tuple[str, "bytes | None", "bytes | None", int, _OutHeaders, TopicPartitionKey, int, bool]
 
 
@@ -653,7 +653,7 @@ class TransactionalProcessor:
                 try:
                     # Positional, as in ReliableProducer._produce: keywords cost ~1 µs a call.
                     produce(topic, value, key, partition, None, None, 0,
-                            [(ID_HEADER, headers)] if headers.__class__ is str else list(headers))
+                            [(ID_HEADER, headers)] if headers.__class__ is str else list(headers))  # type: ignore[arg-type]
                 except BufferError:
                     self._produce_when_room(out)
             except KafkaException as exc:
