@@ -16,6 +16,8 @@ from reliable_kafka.testing.cluster import LocalKafkaCluster, PartitionState
 
 log = logging.getLogger(__name__)
 
+_KAFKA_REPLICA_FETCH_WAIT_MS = 500  # the broker's default replica.fetch.wait.max.ms
+
 
 @dataclass
 class IsolatedLeader:
@@ -62,6 +64,12 @@ def isolated_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 0) 
     iso = IsolatedLeader(leader=state.leader, followers=followers)
     for f in followers:
         cluster.pause(f)
+    # A follower's last fetch, sent before it was paused, stays parked at the leader for up to
+    # replica.fetch.wait.max.ms. Records produced meanwhile complete it: the response lands in the
+    # paused follower's socket, it appends them when resumed, becomes leader with them, and nothing
+    # is lost. Measured: produced at once, 2 of 6 attempts lost nothing; after this wait 9 of 9 lost.
+    fetch_wait_s = int(cluster.broker_config.get("replica.fetch.wait.max.ms", _KAFKA_REPLICA_FETCH_WAIT_MS)) / 1000
+    time.sleep(3 * fetch_wait_s)
     try:
         yield iso
     finally:

@@ -82,10 +82,10 @@ def test_max_in_flight_bounds_what_librdkafka_holds_and_loses_nothing(kafka, mak
 def test_isolated_leader_acks1_control_loses_and_reliable_producer_does_not(kafka, make_topic, tmp_path) -> None:
     topic = make_topic(partitions=1, configs={"min.insync.replicas": 2})
     ours = [f"ours-{i}".encode() for i in range(500)]
-    # The control gets its own isolated leader first (same recipe, same cluster). On a loaded host the
-    # recipe has, rarely, isolated a node that metadata still named leader a moment after it no longer
-    # was: then nothing is lost. The fault is injected again on a fresh topic (at most three times);
-    # reliable-kafka's run below is judged once, on its first and only attempt.
+    # The control gets its own isolated leader first (same recipe, same cluster). Should the recipe
+    # not bite (a follower's parked fetch used to carry the records out; isolated_leader now waits it
+    # out), the fault is injected again on a fresh topic (at most three times); reliable-kafka's run
+    # below is judged once, on its first and only attempt.
     control = None
     for attempt in range(1, 4):
         control_topic = make_topic(partitions=1, configs={"min.insync.replicas": 1})
