@@ -16,6 +16,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource
 
 from reliable_kafka.errors import ClusterUnreachable, TopicConfigError
+from reliable_kafka.retry import retry_kafka_call
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger("reliable_kafka.rdkafka")
@@ -91,7 +92,13 @@ def topic_configs(admin: AdminClient, topic: str, timeout: float = 10.0) -> dict
     """The effective configuration of a topic (its own overrides and the broker defaults)."""
     res = ConfigResource(ConfigResource.Type.TOPIC, topic)
     try:
-        entries = admin.describe_configs([res], request_timeout=timeout)[res].result(timeout=timeout)
+        # A topic just created can be unknown for a moment to the broker that answers: retry
+        # retriable errors (UNKNOWN_TOPIC_OR_PART, leader moves) within the same timeout.
+        entries = retry_kafka_call(
+            lambda: admin.describe_configs([res], request_timeout=timeout)[res].result(timeout=timeout),
+            deadline_s=timeout,
+            what=f"configuration of topic {topic!r}",
+        )
     except (KafkaException, concurrent.futures.TimeoutError) as exc:
         raise ClusterUnreachable(f"could not read the configuration of topic {topic!r}: {exc}") from exc
     return {k: v.value for k, v in entries.items() if v.value is not None}

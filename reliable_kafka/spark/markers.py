@@ -190,7 +190,13 @@ class MarkerTopic:
                     raise
             self._wait_ready(admin)
         resource = ConfigResource(ConfigResource.Type.TOPIC, self.topic)
-        configs = admin.describe_configs([resource])[resource].result(timeout=30)
+        # The broker that answers DescribeConfigs may not have the new topic in its metadata yet
+        # (UNKNOWN_TOPIC_OR_PART for a moment after creation): retried like any retriable error.
+        configs = retry_kafka_call(
+            lambda: admin.describe_configs([resource], request_timeout=10)[resource].result(timeout=30),
+            deadline_s=self.timeout_s,
+            what=f"configuration of {self.topic}",
+        )
         policy = configs["cleanup.policy"].value or ""
         if "compact" not in policy or "delete" in policy:
             raise TopicConfigError(

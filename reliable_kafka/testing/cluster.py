@@ -28,6 +28,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from reliable_kafka.errors import ClusterError
+from reliable_kafka.retry import retry_kafka_call
 from reliable_kafka.testing.jars import LOG4J_CONFIG, java_executable, kafka_libs
 
 log = logging.getLogger(__name__)
@@ -431,7 +432,12 @@ class LocalKafkaCluster:
         """The effective configuration of a topic (broker defaults included)."""
         res = ConfigResource(ConfigResource.Type.TOPIC, name)
         admin = self.admin()
-        entries = admin.describe_configs([res])[res].result(timeout=10)
+        # Right after create_topic another broker may not know the topic yet: retry that moment.
+        entries = retry_kafka_call(
+            lambda: admin.describe_configs([res], request_timeout=10)[res].result(timeout=10),
+            deadline_s=30,
+            what=f"configuration of {name}",
+        )
         return {k: v.value for k, v in entries.items()}
 
     def logs(self, node_id: int, tail: int = 200) -> str:
