@@ -17,6 +17,7 @@ import pytest
 pytest_plugins = [
     "tests.fixtures.kafka",
     "tests.fixtures.redis",
+    "tests.fixtures.members",
 ]
 
 # A test that asks for one of these needs a real cluster (or Spark, which writes to one).
