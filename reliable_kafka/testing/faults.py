@@ -1,20 +1,30 @@
 """Fault recipes on a LocalKafkaCluster that the tests and the loss lab share.
 
-Each recipe is bounded in time, signals only the cluster's own nodes, and leaves the cluster
-healthy when it returns (also when the code inside it raised).
+Each recipe is bounded in time, signals only the cluster's own nodes (or the child process it was
+given), and leaves the cluster healthy when it returns (also when the code inside it raised). Each
+fault waits, through `reliable_kafka.testing.gates`, for the observable condition that makes it bite.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
+import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
 
 from reliable_kafka.testing.cluster import LocalKafkaCluster, PartitionState
+from reliable_kafka.testing.gates import FaultNotArmed, fire_when
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 _KAFKA_REPLICA_FETCH_WAIT_MS = 500  # the broker's default replica.fetch.wait.max.ms
 
@@ -48,46 +58,299 @@ def settled_state(cluster: LocalKafkaCluster, topic: str, partition: int = 0, ti
         time.sleep(1.0)
 
 
+def log_bytes(cluster: LocalKafkaCluster, node_id: int, topic: str, partition: int = 0) -> int:
+    """Bytes of the partition's log segments on one node's disk (what it has appended, paused or not).
+
+    Segments are not preallocated, so the size grows with every batch the node appends.
+    """
+    directory = cluster.nodes[node_id].directory / "data" / f"{topic}-{partition}"
+    return sum(f.stat().st_size for f in directory.glob("*.log"))
+
+
+def leader_ahead(cluster: LocalKafkaCluster, topic: str, iso: IsolatedLeader, partition: int = 0) -> bool:
+    """The leader's log holds records that none of its (paused) followers has appended."""
+    lead = log_bytes(cluster, iso.leader, topic, partition)
+    return all(lead > log_bytes(cluster, f, topic, partition) for f in iso.followers)
+
+
+@contextlib.contextmanager
+def followers_paused(cluster: LocalKafkaCluster, topic: str, partition: int = 0) -> Iterator[IsolatedLeader]:
+    """Both followers of the partition paused (SIGSTOP): what is produced inside reaches the leader alone.
+
+    With two of three controllers paused, the controller quorum cannot shrink the ISR either, so the
+    followers stay eligible for election. They are resumed on exit.
+    """
+    state = settled_state(cluster, topic, partition)
+    iso = IsolatedLeader(leader=state.leader, followers=[r for r in state.replicas if r != state.leader])
+    for f in iso.followers:
+        cluster.pause(f)
+    try:
+        # A follower's last fetch, sent before it was paused, stays parked at the leader for up to
+        # replica.fetch.wait.max.ms. Records produced meanwhile complete it: the response lands in the
+        # paused follower's socket, it appends them when resumed, becomes leader with them, and nothing
+        # is lost. Measured: produced at once, 2 of 6 attempts lost nothing; after this wait 9 of 9 lost.
+        # It is waited out rather than observed because nothing outside can see it: the follower is
+        # stopped, its log on disk does not change, and the leader's high watermark only moves on the
+        # follower's next fetch, which a paused follower never sends. Only the verdict after the
+        # election tells; a run the recipe did not bite is re-armed with `until_it_bites`.
+        fetch_wait_s = int(cluster.broker_config.get("replica.fetch.wait.max.ms", _KAFKA_REPLICA_FETCH_WAIT_MS)) / 1000
+        time.sleep(3 * fetch_wait_s)
+        yield iso
+    finally:
+        for f in iso.followers:
+            cluster.resume(f)
+
+
 @contextlib.contextmanager
 def isolated_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 0) -> Iterator[IsolatedLeader]:
     """The deterministic acks=1 loss recipe (seed 000): a leader that acknowledges alone, then dies.
 
-    On entry both followers of the partition are paused (SIGSTOP), so only the leader gets what is
-    produced inside the block. With two of three controllers paused, the controller quorum cannot
-    shrink the ISR either, so the followers stay eligible. On exit the leader is SIGKILLed, the
-    followers resume and one of them (which never got the records) is elected; the old leader
-    restarts and truncates to the new leader's log. Records that only the old leader had are gone:
-    exactly what acks=1 acknowledged and acks=all never did.
+    On entry both followers of the partition are paused (see `followers_paused`), so only the leader
+    gets what is produced inside the block. On exit, once the leader's log holds records its followers'
+    logs do not (the fault bites only then), the leader is SIGKILLed, the followers resume and one of
+    them (which never got the records) is elected; the old leader restarts and truncates to the new
+    leader's log. Records that only the old leader had are gone: exactly what acks=1 acknowledged and
+    acks=all never did.
     """
-    state = settled_state(cluster, topic, partition)
-    followers = [r for r in state.replicas if r != state.leader]
-    iso = IsolatedLeader(leader=state.leader, followers=followers)
-    for f in followers:
-        cluster.pause(f)
-    # A follower's last fetch, sent before it was paused, stays parked at the leader for up to
-    # replica.fetch.wait.max.ms. Records produced meanwhile complete it: the response lands in the
-    # paused follower's socket, it appends them when resumed, becomes leader with them, and nothing
-    # is lost. Measured: produced at once, 2 of 6 attempts lost nothing; after this wait 9 of 9 lost.
-    fetch_wait_s = int(cluster.broker_config.get("replica.fetch.wait.max.ms", _KAFKA_REPLICA_FETCH_WAIT_MS)) / 1000
-    time.sleep(3 * fetch_wait_s)
+    isolated: list[IsolatedLeader] = []
     try:
-        yield iso
+        with followers_paused(cluster, topic, partition) as iso:
+            isolated.append(iso)
+            failed = True
+            try:
+                yield iso
+                failed = False
+            finally:
+                if failed:  # the block raised: no gate, just leave the cluster healthy
+                    cluster.kill(iso.leader)
+            fire_when(lambda: leader_ahead(cluster, topic, iso, partition), lambda: cluster.kill(iso.leader),
+                      what=f"isolated leader {iso.leader} of {topic}[{partition}]: kill", timeout_s=30)
     finally:
-        cluster.kill(iso.leader)
-        for f in followers:
-            cluster.resume(f)
-        iso.new_leader = cluster.wait_for_leader(topic, partition, not_on=iso.leader, timeout=60)
-        log.info("%s[%d]: leader %d killed, %d elected", topic, partition, iso.leader, iso.new_leader)
-        cluster.start_node(iso.leader)
-        cluster.wait_healthy()
+        for iso in isolated:
+            if cluster.nodes[iso.leader].alive():  # the gate never held: heal before FaultNotArmed surfaces
+                cluster.kill(iso.leader)
+            iso.new_leader = cluster.wait_for_leader(topic, partition, not_on=iso.leader, timeout=60)
+            log.info("%s[%d]: leader %d killed, %d elected", topic, partition, iso.leader, iso.new_leader)
+            cluster.start_node(iso.leader)
+            cluster.wait_healthy()
 
 
-def hard_bounce_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 0) -> tuple[int, int]:
-    """SIGKILL the partition's leader, wait for a new one, restart the old; returns (old, new)."""
-    old = cluster.leader_of(topic, partition)
-    if old is None:
-        raise RuntimeError(f"{topic}[{partition}] has no leader")
-    cluster.kill(old)
+def until_it_bites(inject: Callable[[], T], bit: Callable[[T], bool], *, what: str, attempts: int = 3) -> T:
+    """Inject a fault whose bite only its verdict shows, again (fresh each time) until it bit; the last result.
+
+    For recipes with no observable condition before the fault (see `followers_paused`): each run is
+    judged by `bit` and a run that did not bite is re-armed through `fire_when`, bounded and logged.
+    The caller still asserts the verdict: after `attempts` runs the last one is returned as it is.
+    """
+    results = [inject()]
+
+    def again() -> None:
+        log.warning("%s: did not bite (%s); injecting it again", what, results[-1])
+        results.append(inject())
+
+    with contextlib.suppress(FaultNotArmed):
+        fire_when(lambda: bit(results[-1]), lambda: None, what=what, rearm=again, attempts=attempts, timeout_s=0)
+    return results[-1]
+
+
+def hard_bounce_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 0, *,
+                       when: Callable[[], bool] | None = None, rearm: Callable[[], None] | None = None,
+                       attempts: int = 3, timeout_s: float = 30.0) -> tuple[int, int]:
+    """SIGKILL the partition's leader, wait for a new one, restart the old; returns (old, new).
+
+    With `when`, the kill waits (bounded, re-armed by `rearm`, see `fire_when`) until that condition
+    holds, e.g. "the stream is past its first records and not finished", so it lands mid-work.
+    """
+    def kill() -> int:
+        # Looked up at the moment of the kill: a preferred-leader election may have moved it since.
+        leader = cluster.leader_of(topic, partition)
+        if leader is None:
+            raise RuntimeError(f"{topic}[{partition}] has no leader")
+        cluster.kill(leader)
+        return leader
+
+    if when is None:
+        old = kill()
+    else:
+        old = fire_when(when, kill, what=f"hard bounce of the leader of {topic}[{partition}]", rearm=rearm,
+                        attempts=attempts, timeout_s=timeout_s)
     new = cluster.wait_for_leader(topic, partition, not_on=old, timeout=60)
     cluster.start_node(old)
     return old, new
+
+
+class SendStream:
+    """Sends values in batches from a thread, paced, so that a fault gated on its progress finds it mid-stream.
+
+    `send(batch)` hands one batch to the client under test; `running` is true until the last batch
+    was handed over. Pacing slows the input, not the check: the gate decides when the fault fires.
+    """
+
+    def __init__(self, send: Callable[[Sequence[bytes]], Any], values: Sequence[bytes], *, rate: float,
+                 batch: int = 100, name: str = "send-stream") -> None:
+        self._send, self._values, self._rate, self._batch = send, values, rate, batch
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self.sent = 0
+        self.error: BaseException | None = None
+
+    def start(self) -> SendStream:
+        self._thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout_s: float = 120.0) -> None:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the send stream did not finish in {timeout_s:.0f}s ({self.sent} sent)")
+        if self.error is not None:
+            raise RuntimeError(f"the send stream failed: {self.error!r}") from self.error
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        try:
+            for i in range(0, len(self._values), self._batch):
+                self._send(self._values[i:i + self._batch])
+                self.sent = min(i + self._batch, len(self._values))
+                ahead = self.sent / self._rate - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+        except BaseException as exc:  # surfaced by join(): a dead stream must fail the run, not hang it
+            self.error = exc
+            log.exception("send stream failed")
+
+
+def bounce_leader_mid_stream(
+    cluster: LocalKafkaCluster,
+    topic: str,
+    send: Callable[[Sequence[bytes]], Any],
+    chunk: Callable[[int], list[bytes]],
+    *,
+    rate: float,
+    confirmed: Callable[[], int],
+    at_least: int,
+    unconfirmed: Callable[[], bool] = lambda: True,
+    partition: int = 0,
+    attempts: int = 3,
+    timeout_s: float = 20.0,
+) -> list[bytes]:
+    """Stream `chunk(0)` through `send`, paced at `rate`/s, and hard-bounce the leader mid-stream.
+
+    The kill fires once `confirmed()` (e.g. the client's delivered count) grew by `at_least` since the
+    stream began, while the stream is still running and `unconfirmed()` (records still in flight)
+    holds. Should the stream end before that, `chunk(1)`, `chunk(2)`... are streamed (a logged,
+    bounded re-arm). Returns every value handed to `send`, once each stream has ended.
+    """
+    streams: list[SendStream] = []
+    values: list[bytes] = []
+
+    def stream() -> None:
+        more = chunk(len(streams))
+        values.extend(more)
+        streams.append(SendStream(send, more, rate=rate, name=f"stream-{topic}-{len(streams)}").start())
+
+    def rearm() -> None:
+        if not streams[-1].running:  # it ended before the kill: the next one is killed instead
+            stream()
+
+    before = confirmed()
+    stream()
+    try:
+        hard_bounce_leader(cluster, topic, partition, rearm=rearm, attempts=attempts, timeout_s=timeout_s,
+                           when=lambda: streams[-1].running and confirmed() - before >= at_least and unconfirmed())
+    finally:
+        for s in streams:
+            s.join()
+    return values
+
+
+@dataclass
+class ProducerCrashes:
+    accepted: list[int]  # every index a run's ledger recorded as accepted
+    kills: int
+    exit_code: int | None  # of the last run, which was let finish (None if it never finished)
+
+
+def sigkill_producer_mid_stream(
+    start: Callable[[int], subprocess.Popen[Any]],
+    ledger: Path,
+    status: Path,
+    *,
+    kills: int,
+    between: tuple[int, int],
+    rng: random.Random,
+    what: str,
+    timeout_s: float = 60.0,
+    attempts: int = 3,
+    finish_timeout_s: float = 180.0,
+) -> ProducerCrashes:
+    """Run a producer child, SIGKILL it `kills` times mid-stream, then let a last run finish.
+
+    `start(first_index)` launches the child (reliable_kafka.lab.programs.producer_proc) from that
+    index on, with this `ledger` and `status`. Each kill is gated on progress, not time: this run has
+    had a random `between` more messages accepted (its ledger) and some accepted ones are not yet
+    delivered (its status), so every kill catches messages in flight. A child that ended before its
+    kill is restarted from its ledger (a logged, bounded re-arm); only the child is ever signalled.
+    """
+    child = _ProducerChild(start, ledger, status, what)
+    done_kills = 0
+    try:
+        while done_kills < kills:
+            target = len(child.accepted()) + rng.randint(*between)
+            fire_when(partial(child.ready_to_kill, target), child.kill,
+                      what=f"{what}: SIGKILL {done_kills + 1} of {kills}", rearm=child.restart_if_ended,
+                      attempts=attempts, timeout_s=timeout_s, poll_s=0.01)
+            done_kills += 1
+            child.launch()
+        code = child.finish(finish_timeout_s)
+    finally:
+        child.kill()
+    return ProducerCrashes(accepted=child.accepted(), kills=done_kills, exit_code=code)
+
+
+class _ProducerChild:
+    """The current run of a producer child and what its ledger and status files say."""
+
+    def __init__(self, start: Callable[[int], subprocess.Popen[Any]], ledger: Path, status: Path, what: str) -> None:
+        self._start, self._ledger, self._status, self._what = start, ledger, status, what
+        ledger.touch()
+        self._proc = self.launch()
+
+    def accepted(self) -> list[int]:
+        return [int(x) for x in self._ledger.read_text().split()]
+
+    def undelivered(self) -> int:
+        try:
+            return int(self._status.read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def launch(self) -> subprocess.Popen[Any]:
+        """Start a run from the first index its ledger does not hold."""
+        self._status.unlink(missing_ok=True)  # a fresh run says nothing until its first batch
+        done = self.accepted()
+        self._proc = self._start(max(done) + 1 if done else 0)
+        return self._proc
+
+    def ready_to_kill(self, target: int) -> bool:
+        return (self._proc.poll() is None and self._ledger.read_bytes().count(b"\n") >= target
+                and self.undelivered() > 0)
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()  # SIGKILL, only our own child
+        self._proc.wait()
+
+    def restart_if_ended(self) -> None:
+        if self._proc.poll() is not None:
+            log.warning("%s: the child ended (exit %s) before its kill; restarting it from its ledger",
+                        self._what, self._proc.returncode)
+            self.launch()
+
+    def finish(self, timeout_s: float) -> int | None:
+        try:
+            return self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None

@@ -9,8 +9,8 @@ import pytest
 from confluent_kafka import Producer
 
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
-from reliable_kafka.testing.faults import isolated_leader
-from reliable_kafka.testing.verify import verdict
+from reliable_kafka.testing.faults import isolated_leader, until_it_bites
+from reliable_kafka.testing.verify import Verdict, verdict
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,10 @@ def test_acks1_recipe_loses_acknowledged_messages(kafka: LocalKafkaCluster, make
 
     The recipe used to lose nothing in about a third of its attempts: a follower's fetch parked at the
     leader before the pause carried the records into the paused follower's socket (isolated_leader
-    now waits it out). Should it still not bite, the fault is injected again on a fresh topic, at
-    most three times in all, and every attempt that did not bite is logged.
+    now waits it out, and nothing outside can see it). Should it still not bite, the fault is re-armed
+    on a fresh topic (faults.until_it_bites), at most three runs in all, each one that did not bite logged.
     """
-    v = None
-    for attempt in range(1, 4):
+    def inject() -> Verdict:
         topic = make_topic(partitions=1, configs={"min.insync.replicas": 1})
         baseline = _produce(kafka.bootstrap_servers, topic, [f"before-{i}".encode() for i in range(100)], acks="1")
         started = time.monotonic()
@@ -104,8 +103,8 @@ def test_acks1_recipe_loses_acknowledged_messages(kafka: LocalKafkaCluster, make
         v = verdict(baseline + acked_in_window, [m.value() for m in consume_all(kafka.bootstrap_servers, topic)])
         assert len(acked_in_window) == 1000, "the isolated leader acknowledged alone, as acks=1 allows"
         assert time.monotonic() - started < 120
-        if v.lost > 0:
-            break
-        log.warning("attempt %d: the acks=1 recipe lost nothing (%s; leader %d, new leader %d); again",
-                    attempt, v, iso.leader, iso.new_leader)
-    assert v is not None and v.lost > 0, f"the acks=1 recipe did not lose anything in three attempts: {v}"
+        log.info("acks=1 recipe: %s (leader %d, new leader %d)", v, iso.leader, iso.new_leader)
+        return v
+
+    v = until_it_bites(inject, lambda v: v.lost > 0, what="acks=1 isolated leader")
+    assert v.lost > 0, f"the acks=1 recipe did not lose anything in three attempts: {v}"
