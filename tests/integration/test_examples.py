@@ -10,7 +10,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -24,6 +23,8 @@ from reliable_kafka.dlq import parse_dead_letter_headers
 from reliable_kafka.ids import message_id_of
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
 from reliable_kafka.testing.cluster import uncommitted_records
+from reliable_kafka.testing.gates import Feeder, fire_when, wait_for
+from tests.fixtures.members import MemberLogs
 
 pytestmark = pytest.mark.cluster
 
@@ -32,29 +33,36 @@ EXAMPLES = ROOT / "examples"
 UNREACHABLE = "127.0.0.1:1"  # nothing listens there: no order can be delivered before the crash
 
 
-def run_example(name: str, *args: str, timeout: float = 60) -> tuple[int, dict[str, Any]]:
-    """Run one example; returns its exit status and the JSON line it printed last."""
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, check=False)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, f"{name} printed no result (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
+def run_example(name: str, *args: str, log: Path, timeout: float = 60) -> tuple[int, dict[str, Any]]:
+    """Run one example, its output appended to its member `log`; its exit status and the JSON line it printed last."""
+    before = log.stat().st_size if log.exists() else 0
+    with open(log, "ab") as out:
+        proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], cwd=ROOT, stdout=out,
+                              stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    with open(log, "rb") as f:
+        f.seek(before)
+        output = f.read().decode(errors="replace")
+    lines = [line for line in output.splitlines() if line.startswith("{")]
+    assert lines, f"{name} printed no result (exit {proc.returncode}):\n{output[-3000:]}"
     return proc.returncode, json.loads(lines[-1])
 
 
-def test_order_service_keeps_orders_through_a_crash_and_resends_them_first(kafka: LocalKafkaCluster, make_topic,
-                                                                            tmp_path: Path) -> None:
+def test_order_service_keeps_orders_through_a_crash_and_resends_them_first(
+        kafka: LocalKafkaCluster, make_topic, tmp_path: Path, member_logs: MemberLogs) -> None:
     topic = make_topic(partitions=1, configs={"min.insync.replicas": 2})
     outbox = str(tmp_path / "orders.outbox")
 
     # Run 1 accepts 20 orders while no broker is reachable, then is SIGKILLed: no flush, no close.
     code, first = run_example("order_service.py", "--bootstrap-servers", UNREACHABLE, "--topic", topic,
-                              "--outbox", outbox, "--orders", "20", "--crash")
+                              "--outbox", outbox, "--orders", "20", "--crash",
+                              log=member_logs.path("order-service"))
     assert code == -signal.SIGKILL
     assert first["accepted"] == list(range(1, 21)) and first["pending_at_start"] == 0
 
     # Run 2 finds them in the outbox, delivers them first, then publishes five new orders.
     code, second = run_example("order_service.py", "--bootstrap-servers", kafka.bootstrap_servers,
-                               "--topic", topic, "--outbox", outbox, "--orders", "5", "--first-id", "21")
+                               "--topic", topic, "--outbox", outbox, "--orders", "5", "--first-id", "21",
+                               log=member_logs.path("order-service"))
     assert code == 0, second
     assert second["pending_at_start"] == 20
     assert second["accepted"] == list(range(21, 26))
@@ -91,7 +99,7 @@ def _rewind(bootstrap: str, group: str, topic: str, partitions: int) -> None:
 
 @pytest.mark.redis
 def test_dlq_consumer_charges_each_order_once_parks_poison_and_a_replay_charges_nothing(
-        kafka: LocalKafkaCluster, make_topic, redis_url: str, tmp_path: Path) -> None:
+        kafka: LocalKafkaCluster, make_topic, redis_url: str, tmp_path: Path, member_logs: MemberLogs) -> None:
     topic = make_topic(partitions=3, configs={"min.insync.replicas": 2})
     orders = list(range(1, 31))
     with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "o.db") as p:
@@ -108,7 +116,7 @@ def test_dlq_consumer_charges_each_order_once_parks_poison_and_a_replay_charges_
     args = ["--bootstrap-servers", kafka.bootstrap_servers, "--redis-url", redis_url, "--topic", topic,
             "--group", group, "--concurrency", "2", "--idle-exit", "8", "--create-dlq"]
 
-    code, first = run_example("dlq_consumer.py", *args)
+    code, first = run_example("dlq_consumer.py", *args, log=member_logs.path("dlq-consumer"))
     assert code == 0, first
     assert Counter(first["charged"]) == Counter(orders), "each order charged exactly once"
     assert first["gateway_timeouts"] == 6  # orders 5, 10, ..., 30 failed once, then were retried
@@ -123,7 +131,7 @@ def test_dlq_consumer_charges_each_order_once_parks_poison_and_a_replay_charges_
 
     # Replay the whole topic to the same group: Redis remembers every charged and parked order.
     _rewind(kafka.bootstrap_servers, group, topic, 3)
-    code, replay = run_example("dlq_consumer.py", *args)
+    code, replay = run_example("dlq_consumer.py", *args, log=member_logs.path("dlq-consumer"))
     assert code == 0, replay
     assert replay["charged"] == []
     assert replay["counts"]["duplicates_skipped"] == 62
@@ -142,42 +150,83 @@ def _end_offsets(bootstrap: str, topic: str, partitions: int) -> int:
         c.close()
 
 
-@pytest.mark.slow
-def test_payment_processor_books_each_payment_once_through_a_sigkill(kafka: LocalKafkaCluster) -> None:
-    run = uuid.uuid4().hex[:6]
-    requests, ledger, events = f"pay-req-{run}", f"ledger-{run}", f"pay-done-{run}"
-    args = ["--bootstrap-servers", kafka.bootstrap_servers, "--input", requests, "--ledger-topic", ledger,
-            "--events-topic", events, "--group", f"payments-{run}", "--delay-ms", "30"]
-    count = 200
-    valid = [f"p-{i}" for i in range(1, count + 1) if i % 25]
+def _payment_requests(topic: str, ids: range) -> list[Message]:
+    """Requests as the example's --demo-requests publishes them (every 25th has a non-positive amount)."""
+    bodies = {i: {"payment_id": f"p-{i}", "from": f"acct-{i % 7}", "to": "merchant-1",
+                  "amount_cents": -5 if i % 25 == 0 else 100 * i} for i in ids}
+    return [Message(topic, json.dumps(b).encode(), key=f"p-{i}".encode(), message_id=f"payment-request-{i}")
+            for i, b in bodies.items()]
 
-    # Run 1 creates the topics, publishes the requests, and is SIGKILLed once it has booked some.
-    first = subprocess.Popen([sys.executable, str(EXAMPLES / "payment_processor.py"), *args, "--create-topics",
-                              "--demo-requests", str(count)], cwd=ROOT, stdout=subprocess.DEVNULL)
+
+def _committed_total(consumer: Consumer, topic: str, partitions: int) -> int:
+    """Requests the group has processed: its committed offsets on the input, summed (no group join)."""
+    committed = consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=15)
+    return sum(max(tp.offset, 0) for tp in committed)
+
+
+@pytest.mark.slow
+def test_payment_processor_books_each_payment_once_through_a_sigkill(kafka: LocalKafkaCluster,
+                                                                     member_logs: MemberLogs) -> None:
+    run = uuid.uuid4().hex[:6]
+    requests, ledger, events, group = f"pay-req-{run}", f"ledger-{run}", f"pay-done-{run}", f"payments-{run}"
+    args = ["--bootstrap-servers", kafka.bootstrap_servers, "--input", requests, "--ledger-topic", ledger,
+            "--events-topic", events, "--group", group, "--delay-ms", "30"]
+    count, demo = 200, 40
+    valid = [f"p-{i}" for i in range(1, count + 1) if i % 25]
+    member_log = member_logs.path("payment-processor")  # both runs, appended
+
+    # Run 1 creates the topics, publishes the first requests, and is SIGKILLed mid-stream. The rest of
+    # the input is fed as it works (a small backlog) and held back past `cap`, so it can never finish
+    # them all before the kill, however fast it is; they are published after the kill instead.
+    published, cap = demo, [count - 50]
+
+    def top_up() -> None:
+        nonlocal published
+        batch = range(published + 1, min(published + 10, cap[0]) + 1)
+        p.send_many(_payment_requests(requests, batch))
+        assert p.flush(30) == 0
+        published = batch[-1]
+
+    def backlog() -> int:
+        # Nothing more may be fed yet: report a full backlog so the feeder does not top up.
+        return 10**9 if published >= cap[0] else published - _committed_total(offsets, requests, 3)
+
+    def more_input() -> None:  # re-arm: the processor may have caught up with the held-back input
+        cap[0] = min(count, cap[0] + 25)
+
+    with open(member_log, "ab") as out:
+        first = subprocess.Popen([sys.executable, str(EXAMPLES / "payment_processor.py"), *args,
+                                  "--create-topics", "--demo-requests", str(demo)],
+                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    offsets = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": group, "enable.auto.commit": False})
+    p = ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, durability="memory")
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and first.poll() is None:
-            if _end_offsets(kafka.bootstrap_servers, events, 3) >= 40:
-                break
-            time.sleep(0.2)
-        # Aim: kill while a transaction holds ledger entries (a kill between two transactions proves less),
-        # but never past 60% of the stream: on a slow host each look costs a good part of a second, and
-        # the kill must still come mid-stream.
-        aim_until = time.monotonic() + 15
-        while time.monotonic() < aim_until and first.poll() is None:
-            if (uncommitted_records(kafka.bootstrap_servers, ledger) > 0
-                    or _end_offsets(kafka.bootstrap_servers, events, 3) >= 0.6 * len(valid)):
-                break
-        assert first.poll() is None, f"the processor stopped by itself (exit {first.returncode})"
+        assert wait_for(lambda: _end_offsets(kafka.bootstrap_servers, requests, 3) >= demo, timeout_s=90,
+                        poll_s=0.2), "the processor did not publish its demo requests"
+        with Feeder(top_up, backlog, low=15, name="payment-requests"):
+            # The kill bites when the processor has booked some payments (40 offsets on the events
+            # topic) and a transaction holds ledger entries (a kill between two transactions proves
+            # less); the held-back input keeps it from running out of work first.
+            fire_when(lambda: (first.poll() is None and _end_offsets(kafka.bootstrap_servers, events, 3) >= 40
+                               and uncommitted_records(kafka.bootstrap_servers, ledger) > 0),
+                      first.kill,  # SIGKILL: no commit, no abort, no goodbye
+                      what="payment processor: SIGKILL in an open transaction", rearm=more_input, timeout_s=20)
+        assert first.wait(10) == -signal.SIGKILL, f"the processor stopped by itself (exit {first.returncode})"
+        # The rest of the input, for run 2.
+        p.send_many(_payment_requests(requests, range(published + 1, count + 1)))
+        assert p.flush(30) == 0
     finally:
-        first.kill()  # SIGKILL: no commit, no abort, no goodbye
+        if first.poll() is None:
+            first.kill()
         first.wait()
+        p.close(10)
+        offsets.close()
     # The kill came mid-stream: some payments were booked (committed), not all.
     booked_before = sum(1 for _ in consume_all(kafka.bootstrap_servers, ledger))
     assert 0 < booked_before < 2 * len(valid), f"{booked_before} ledger entries at the kill: not mid-stream"
 
     # Run 2, same transactional id: fences the dead incarnation, aborts its open transaction, finishes.
-    code, result = run_example("payment_processor.py", *args, "--idle-exit", "5", timeout=180)
+    code, result = run_example("payment_processor.py", *args, "--idle-exit", "5", log=member_log, timeout=180)
     assert code == 0, result
 
     entries = [json.loads(m.value()) for m in consume_all(kafka.bootstrap_servers, ledger)]
