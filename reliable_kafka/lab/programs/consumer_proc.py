@@ -2,21 +2,26 @@
 
 It appends each value it finished handling, with its rk-id, to a ledger file (one line, flushed), so the ledger
 is exactly what was processed when it died. It exits by itself after `--idle` seconds without
-records. SIGTERM asks the consumer to stop gracefully.
+records. SIGTERM asks the consumer to stop gracefully. `--status-file` publishes its progress (see
+status.py) for the fault gates; its log (stderr) says what it was assigned, handled and committed.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sys
 import threading
 import time
 
-from confluent_kafka import Consumer
+from confluent_kafka import Consumer, Message
 
 from reliable_kafka.consumer import ReliableConsumer
 from reliable_kafka.ids import message_id_of
+from reliable_kafka.lab.programs.status import LOG_FORMAT, Progress
+
+log = logging.getLogger("reliable_kafka.lab.member")
 
 
 def main() -> int:
@@ -32,7 +37,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=1)
     ap.add_argument("--ready-file", help="created once SIGTERM is honoured, so a test never stops a member "
                                          "that is still importing (it would die of the default SIGTERM)")
+    ap.add_argument("--status-file", help="where to publish progress for the tests' fault gates")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     # SIGTERM is honoured from here on, also before the consumer exists (a member stopped while starting).
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())
@@ -45,26 +52,37 @@ def main() -> int:
     if args.instance_id:
         conf["group.instance.id"] = args.instance_id
     last_record = [time.monotonic()]
+    progress: Progress
 
-    def handle(value: bytes | None, headers: object) -> None:
+    def handle(msg: Message) -> None:
         if args.sleep_ms:
             time.sleep(args.sleep_ms / 1000)
-        ledger.write(f"{(value or b'').decode()}\t{message_id_of(headers) or ''}\n")  # type: ignore[arg-type]
+        ledger.write(f"{(msg.value() or b'').decode()}\t{message_id_of(msg.headers()) or ''}\n")  # type: ignore[arg-type]
+        progress.record(msg.partition(), msg.offset())  # type: ignore[arg-type]
         last_record[0] = time.monotonic()
 
+    log.info("%s member of %s on %s starting (instance %s)", args.mode, args.group, args.topic, args.instance_id)
     if args.mode == "control":
         # The classic setup: auto-commit on a timer, offsets stored as soon as poll returns them.
         control = Consumer({**conf, "enable.auto.commit": True, "auto.commit.interval.ms": 100,
-                            "auto.offset.reset": "earliest"})
-        control.subscribe([args.topic])
+                            "auto.offset.reset": "earliest",
+                            "on_commit": lambda err, tps: progress.on_commit(err, tps)})
+        progress = Progress(args.status_file).start()
+        control.subscribe([args.topic],
+                          on_assign=lambda _, tps: log.info("assigned %s", [tp.partition for tp in tps]),
+                          on_revoke=lambda _, tps: log.info("revoked %s", [tp.partition for tp in tps]))
         while time.monotonic() - last_record[0] < args.idle and not terminated.is_set():
             for msg in control.consume(num_messages=500, timeout=0.5):
                 if msg.error() is None:
-                    handle(msg.value(), msg.headers())
+                    handle(msg)
+        progress.stop()  # its last figures, logged
         control.close()
+        log.info("stopped")
         return 0
 
+    conf["on_commit"] = lambda err, tps: progress.on_commit(err, tps)
     consumer = ReliableConsumer(conf, [args.topic], concurrency=args.concurrency, commit_interval_s=0.2)
+    progress = Progress(args.status_file).start()
 
     def idle_watch() -> None:
         while time.monotonic() - last_record[0] < args.idle and not terminated.is_set():
@@ -72,8 +90,10 @@ def main() -> int:
         consumer.stop()
 
     threading.Thread(target=idle_watch, daemon=True).start()
-    consumer.run(lambda msg: handle(msg.value(), msg.headers()))
+    consumer.run(handle)
+    progress.stop()  # its last figures, logged
     consumer.close()
+    log.info("stopped: %s", consumer.counts)
     return 0
 
 

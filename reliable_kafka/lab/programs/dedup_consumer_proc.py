@@ -4,12 +4,14 @@ With a store, the effect and the confirmation of the record's dedup key commit i
 (a row in the SQLite store's own file, or HINCRBY in the Redis store's server), so a kill leaves both or
 neither; `--store none` is the control: the same effect, committed alone, at least once. Effects are keyed
 only by the payload, so a message applied twice shows as a count of 2. It exits by itself after `--idle`
-seconds without records; SIGTERM stops it gracefully.
+seconds without records; SIGTERM stops it gracefully. `--status-file` publishes its progress (see
+status.py) for the fault gates; its log (stderr) says what it was assigned, handled and committed.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import sqlite3
 import sys
@@ -21,6 +23,9 @@ from typing import Any
 from confluent_kafka import Message
 
 from reliable_kafka.consumer import ReliableConsumer
+from reliable_kafka.lab.programs.status import LOG_FORMAT, Progress
+
+log = logging.getLogger("reliable_kafka.lab.member")
 
 EFFECTS_TABLE = "effects"
 """SQLite table of effects, one row per application: (payload TEXT); no key, so doubles show."""
@@ -48,7 +53,11 @@ def main() -> int:
     ap.add_argument("--lease-s", type=float, default=3.0)
     ap.add_argument("--instance-id")
     ap.add_argument("--idle", type=float, default=5.0)
+    ap.add_argument("--status-file", help="where to publish progress for the tests' fault gates")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
+    log.info("member of %s on %s starting (store %s, instance %s)", args.group, args.topic, args.store,
+             args.instance_id)
 
     conf: dict[str, Any] = {"bootstrap.servers": args.bootstrap, "group.id": args.group,
                             "session.timeout.ms": 6000, "heartbeat.interval.ms": 1000}
@@ -57,6 +66,7 @@ def main() -> int:
     last_record = [time.monotonic()]
     store: Any = None
     consumer: ReliableConsumer
+    progress: Progress
     apply: Callable[[Message], None]
 
     if args.store == "sqlite":
@@ -87,10 +97,13 @@ def main() -> int:
 
     def handle(msg: Message) -> None:
         apply(msg)
+        progress.record(msg.partition(), msg.offset())  # type: ignore[arg-type]
         last_record[0] = time.monotonic()
 
+    conf["on_commit"] = lambda err, tps: progress.on_commit(err, tps)
     consumer = ReliableConsumer(conf, [args.topic], dedup=store, dedup_lease_s=args.lease_s,
                                 commit_interval_s=0.5)
+    progress = Progress(args.status_file).start()
     signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
 
     def idle_watch() -> None:
@@ -100,7 +113,9 @@ def main() -> int:
 
     threading.Thread(target=idle_watch, daemon=True).start()
     consumer.run(handle)
+    progress.stop()  # its last figures, logged
     consumer.close()
+    log.info("stopped: %s", consumer.counts)
     if store is not None:
         store.close()
     return 0
