@@ -21,9 +21,13 @@ from reliable_kafka.consumer import DeadLetterPolicy, ReliableConsumer
 from reliable_kafka.dedup import SQLiteDedupStore
 from reliable_kafka.dlq import parse_dead_letter_headers
 from reliable_kafka.errors import DedupStoreUnavailable
+from reliable_kafka.lab.consumer_crash import BITES, kill_loop
+from reliable_kafka.lab.programs.status import GroupOffsets, MemberStatus
 from reliable_kafka.producer import ReliableProducer
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
+from reliable_kafka.testing.gates import Feeder, fire_when, wait_for
+from tests.fixtures.members import MemberLogs
 
 pytestmark = pytest.mark.cluster
 log = logging.getLogger(__name__)
@@ -71,53 +75,42 @@ def _run_until(consumer: ReliableConsumer, handler, condition, timeout: float = 
     consumer.run(handler)
 
 
-def _ledger_size(ledger: Path) -> int:
-    return ledger.stat().st_size if ledger.exists() else 0
-
-
-def _kill_loop(mode: str, kafka: LocalKafkaCluster, topic: str, ledger: Path, kills: int, seed: int,
-               sleep_ms: float, after_progress: bool = False) -> int:
-    """Start the member, SIGKILL it after a random delay, `kills` times; then let it finish.
-
-    `after_progress`: the delay starts once the member has handled a record, not at its start, so a
-    slow start on a loaded machine cannot turn every kill into a kill before the first fetch.
-    """
-    rng = random.Random(seed)
+def _kill_loop(mode: str, kafka: LocalKafkaCluster, topic: str, values: list[str], ledger: Path, kills: int,
+               seed: int, sleep_ms: float, min_handled: tuple[int, int], member_logs: MemberLogs) -> int:
+    """Start the member and SIGKILL it `kills` times, each once it is mid-work (see kill_loop); then let
+    it finish. Its stdout and stderr go to its member log, appended across restarts."""
     group = f"crash-{mode}-{uuid.uuid4().hex[:6]}"
-    done = 0
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        cmd = CHILD + ["--mode", mode, "--bootstrap", kafka.bootstrap_servers, "--topic", topic, "--group", group,
-                       "--ledger", str(ledger), "--sleep-ms", str(sleep_ms), "--instance-id", "member-1",
-                       "--idle", "6"]
-        size_at_start = _ledger_size(ledger)
-        child = subprocess.Popen(cmd, cwd=ROOT)
-        if done < kills:
-            if after_progress:
-                progress_deadline = time.monotonic() + 60
-                while (_ledger_size(ledger) == size_at_start and child.poll() is None
-                       and time.monotonic() < progress_deadline):
-                    time.sleep(0.05)
-                time.sleep(rng.uniform(0.3, 1.2))
-            else:
-                time.sleep(rng.uniform(1.5, 3.0))
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-                done += 1
-                continue
-        assert child.wait(timeout=200) == 0
-        break
+    status_file = ledger.with_suffix(".status.json")
+    cmd = CHILD + ["--mode", mode, "--bootstrap", kafka.bootstrap_servers, "--topic", topic, "--group", group,
+                   "--ledger", str(ledger), "--sleep-ms", str(sleep_ms), "--instance-id", "member-1",
+                   "--idle", "6", "--status-file", str(status_file)]
+
+    def spawn(final: bool) -> subprocess.Popen[bytes]:
+        with member_logs.path(mode).open("ab") as out:
+            return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+    def top_up() -> None:  # only if a kill's condition did not come: the member ran out of input
+        values.extend(fill(kafka.bootstrap_servers, topic, 2_000, prefix=f"top-{len(values)}"))
+
+    with GroupOffsets(kafka.bootstrap_servers, group, topic, 3) as offsets:
+        done, code = kill_loop(spawn, what=f"the {mode} member", bite=BITES[mode], status_file=status_file,
+                               offsets=offsets, kills=kills, rng=random.Random(seed), min_handled=min_handled,
+                               top_up=top_up)
+    assert code == 0, f"the {mode} member's final run exited {code}"
     return done
 
 
 @pytest.mark.slow
-def test_consumer_sigkilled_ten_times_handles_everything_while_autocommit_skips(kafka, make_topic,
-                                                                                 tmp_path) -> None:
+def test_consumer_sigkilled_ten_times_handles_everything_while_autocommit_skips(kafka, make_topic, tmp_path,
+                                                                                 member_logs) -> None:
+    # Each kill lands once the member has handled a few hundred to 2,000 records in its life and
+    # holds handled records the group has not committed; the control's, once its auto-commit has
+    # run ahead of its handler. Ten kills of ours take at most ~25,000 of the 50,000 records.
     topic = make_topic(partitions=3)
     values = fill(kafka.bootstrap_servers, topic, 50_000)
     ours_ledger = tmp_path / "ours.ledger"
-    kills = _kill_loop("reliable", kafka, topic, ours_ledger, kills=10, seed=3, sleep_ms=0.05)
+    kills = _kill_loop("reliable", kafka, topic, values, ours_ledger, kills=10, seed=3, sleep_ms=0.05,
+                       min_handled=(200, 2_000), member_logs=member_logs)
     assert kills == 10
     handled = Counter(line.split("\t")[0] for line in ours_ledger.read_text().splitlines())
     gaps = set(values) - handled.keys()
@@ -129,8 +122,8 @@ def test_consumer_sigkilled_ten_times_handles_everything_while_autocommit_skips(
     control_topic = make_topic(partitions=3)
     control_values = fill(kafka.bootstrap_servers, control_topic, 20_000)
     control_ledger = tmp_path / "control.ledger"
-    c_kills = _kill_loop("control", kafka, control_topic, control_ledger, kills=4, seed=4, sleep_ms=1.0,
-                         after_progress=True)
+    c_kills = _kill_loop("control", kafka, control_topic, control_values, control_ledger, kills=4, seed=4,
+                         sleep_ms=1.0, min_handled=(100, 1_500), member_logs=member_logs)
     control_gaps = set(control_values) - {line.split("\t")[0] for line in control_ledger.read_text().splitlines()}
     log.info("consumer SIGKILLs: ours %d kills, %d of %d never handled, %d handled twice; "
              "auto-commit control %d kills, %d of %d never handled",
@@ -139,57 +132,118 @@ def test_consumer_sigkilled_ten_times_handles_everything_while_autocommit_skips(
     assert len(control_gaps) > 0, "the auto-commit control skipped nothing: the fault did not bite"
 
 
+class _Ledger:
+    """The values handled so far by the members sharing a ledger, read incrementally (a line each)."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._pos = 0
+        self._partial = b""
+        self._values: set[str] = set()
+        self._lock = threading.Lock()  # the feeder's thread reads it too
+
+    def values(self) -> set[str]:
+        with self._lock:
+            if self._path.exists():
+                with self._path.open("rb") as f:
+                    f.seek(self._pos)
+                    data = f.read()
+                self._pos += len(data)
+                lines = (self._partial + data).split(b"\n")
+                self._partial = lines.pop()  # a line still being written
+                self._values.update(line.split(b"\t", 1)[0].decode() for line in lines)
+            return set(self._values)
+
+    def count(self) -> int:
+        return len(self.values())
+
+
+class _Member:
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], status: Path) -> None:
+        self.name, self.proc, self.status = name, proc, status
+
+
 @pytest.mark.slow
-def test_rebalance_storm_of_joins_kills_and_clean_stops_leaves_no_gaps(kafka, make_topic, tmp_path) -> None:
+def test_rebalance_storm_of_joins_kills_and_clean_stops_leaves_no_gaps(kafka, make_topic, tmp_path,
+                                                                       member_logs) -> None:
     topic = make_topic(partitions=6)
     values = fill(kafka.bootstrap_servers, topic, 30_000)
     group = f"storm-{uuid.uuid4().hex[:6]}"
     ledger = tmp_path / "storm.ledger"
+    handled = _Ledger(ledger)
+    everyone: list[_Member] = []
 
-    def spawn() -> subprocess.Popen[bytes]:
+    def spawn() -> _Member:
         # The members do not stop on their own (an idle timer would race the session timeout of a
         # killed member on a slow host): the test stops them once the ledger is complete. A member is
         # handed back only once it honours SIGTERM: stopped while still importing, it would die of it.
-        ready = tmp_path / f"ready-{uuid.uuid4().hex[:8]}"
-        child = subprocess.Popen(CHILD + ["--mode", "reliable", "--bootstrap", kafka.bootstrap_servers,
-                                          "--topic", topic, "--group", group, "--ledger", str(ledger),
-                                          "--sleep-ms", "0.3", "--idle", "600", "--concurrency", "2",
-                                          "--ready-file", str(ready)], cwd=ROOT)
-        deadline = time.monotonic() + 60
-        while not ready.exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert ready.exists(), f"a group member did not start (exit {child.poll()})"
-        return child
+        name = f"member-{len(everyone)}"
+        ready, status = tmp_path / f"{name}.ready", tmp_path / f"{name}.status.json"
+        with member_logs.path(name).open("ab") as out:
+            child = subprocess.Popen(CHILD + ["--mode", "reliable", "--bootstrap", kafka.bootstrap_servers,
+                                              "--topic", topic, "--group", group, "--ledger", str(ledger),
+                                              "--sleep-ms", "0.3", "--idle", "600", "--concurrency", "2",
+                                              "--ready-file", str(ready), "--status-file", str(status)],
+                                     cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        everyone.append(_Member(name, child, status))
+        assert wait_for(lambda: ready.exists() or child.poll() is not None, timeout_s=60) and ready.exists(), \
+            f"group member {name} did not start (exit {child.poll()})"
+        return everyone[-1]
 
-    def handled() -> set[str]:
-        return {line.split("\t")[0] for line in ledger.read_text().splitlines()} if ledger.exists() else set()
+    feed_lock = threading.Lock()
+
+    def top_up() -> None:
+        with feed_lock:
+            values.extend(fill(kafka.bootstrap_servers, topic, 3_000, prefix=f"top-{len(values)}"))
 
     members = [spawn() for _ in range(3)]
     rng = random.Random(11)
     try:
-        for event in range(5):
-            time.sleep(rng.uniform(1.5, 3.0))
-            victim = members.pop(rng.randrange(len(members)))
-            if event % 2 == 0:
-                victim.kill()  # SIGKILL: no commit, no goodbye
-            else:
-                victim.terminate()  # SIGTERM: graceful stop, commit, leave
-            victim.wait(timeout=60)
-            members.append(spawn())
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline and len(handled()) < len(values):
-            time.sleep(1.0)
+        # The input is kept ahead of the members until the last event has fired, so no event finds
+        # the group idle with everything committed (where a kill or a leave proves nothing).
+        with GroupOffsets(kafka.bootstrap_servers, group, topic, 6) as offsets, \
+                Feeder(top_up, lambda: len(values) - handled.count(), low=2_000, max_top_ups=40,
+                       name="storm-feeder") as feeder:
+                for event in range(5):
+                    victim = members[rng.randrange(len(members))]
+                    kill = event % 2 == 0
+                    wanted = rng.randint(300, 1_500)
+                    before = MemberStatus.read(victim.status)
+                    base = before.handled if before is not None else 0
+
+                    def mid_work(victim: _Member = victim, base: int = base, wanted: int = wanted) -> bool:
+                        # The victim handled `wanted` more records since the last event (the group has
+                        # settled from it) and holds handled records the group has not committed.
+                        if victim.proc.poll() is not None:
+                            raise AssertionError(f"{victim.name} exited ({victim.proc.returncode}) unasked")
+                        status = MemberStatus.read(victim.status)
+                        return (status is not None and status.handled - base >= wanted
+                                and status.uncommitted(offsets.get()) > 0)
+
+                    def strike(victim: _Member = victim, kill: bool = kill) -> None:
+                        if kill:
+                            victim.proc.kill()  # SIGKILL: no commit, no goodbye
+                        else:
+                            victim.proc.terminate()  # SIGTERM: graceful stop, commit, leave
+
+                    fire_when(mid_work, strike, attempts=3, timeout_s=60, rearm=top_up,
+                              what=f"storm event {event}: {'SIGKILL' if kill else 'SIGTERM'} of {victim.name}")
+                    victim.proc.wait(timeout=60)
+                    members.remove(victim)
+                    members.append(spawn())
+        log.info("rebalance storm: 5 events fired, %d records (%d top-ups)", len(values), feeder.top_ups)
+        wait_for(lambda: handled.count() >= len(values), timeout_s=200, poll_s=1.0)
         codes = []
         for m in members:  # one at a time: each commits and leaves, the rest take over and commit too
-            m.terminate()
-            codes.append(m.wait(timeout=60))
+            m.proc.terminate()
+            codes.append(m.proc.wait(timeout=60))
         assert codes == [0] * len(members)
     finally:
-        for m in members:
-            if m.poll() is None:
-                m.kill()
-                m.wait()
-    gaps = set(values) - handled()
+        for m in everyone:
+            if m.proc.poll() is None:
+                m.proc.kill()
+                m.proc.wait()
+    gaps = set(values) - handled.values()
     assert not gaps, f"{len(gaps)} messages never handled"
     assert sum(committed(kafka.bootstrap_servers, group, topic, 6).values()) == len(values)
 
