@@ -30,10 +30,14 @@ from reliable_kafka.consumer import ReliableConsumer
 from reliable_kafka.dedup import RedisDedupStore, SQLiteDedupStore
 from reliable_kafka.errors import DedupStoreUnavailable
 from reliable_kafka.ids import ID_HEADER, message_id_of, new_ids
+from reliable_kafka.lab.consumer_crash import BITES, kill_loop
 from reliable_kafka.lab.programs.dedup_consumer_proc import EFFECTS_HASH, EFFECTS_TABLE
+from reliable_kafka.lab.programs.status import GroupOffsets
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
+from reliable_kafka.testing.gates import fire_when
 from reliable_kafka.testing.redis_server import RedisServer
+from tests.fixtures.members import MemberLogs
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCER = [sys.executable, "-m", "reliable_kafka.lab.programs.producer_proc"]
@@ -221,8 +225,11 @@ def test_an_inbox_handler_confirms_its_key_and_the_consumers_own_confirm_changes
 
 
 def _produce_with_kills(kafka: LocalKafkaCluster, topic: str, workdir: Path, total: int, kills: int,
-                        rng: random.Random) -> tuple[set[str], int]:
-    """The outbox producer, SIGKILLed `kills` times mid-stream and restarted after its ledger each time."""
+                        rng: random.Random, log_path: Path) -> tuple[set[str], int]:
+    """The outbox producer, SIGKILLed `kills` times mid-stream and restarted after its ledger each time.
+
+    Each kill fires once the producer has accepted a random 1,000 to 2,500 more messages in its life
+    (2 kills take at most 5,000 of the 8,000), never a fixed time after its start."""
     ledger = workdir / "producer.ledger"
     ledger.touch()
     done = 0
@@ -230,44 +237,54 @@ def _produce_with_kills(kafka: LocalKafkaCluster, topic: str, workdir: Path, tot
     while time.monotonic() < deadline:
         accepted = [int(x) for x in ledger.read_text().split()]
         start = max(accepted) + 1 if accepted else 0
-        child = subprocess.Popen(PRODUCER + ["--mode", "reliable", "--bootstrap", kafka.bootstrap_servers,
-                                             "--topic", topic, "--outbox", str(workdir / "outbox.db"),
-                                             "--start", str(start), "--end", str(total), "--ledger", str(ledger)],
-                                 cwd=ROOT)
+        with log_path.open("ab") as out:
+            child = subprocess.Popen(PRODUCER + ["--mode", "reliable", "--bootstrap", kafka.bootstrap_servers,
+                                                 "--topic", topic, "--outbox", str(workdir / "outbox.db"),
+                                                 "--start", str(start), "--end", str(total), "--ledger",
+                                                 str(ledger)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         if done < kills:
-            time.sleep(rng.uniform(1.0, 2.0))
-            if child.poll() is None:
+            wanted = len(accepted) + rng.randint(1_000, 2_500)
+
+            def mid_stream(child: subprocess.Popen[bytes] = child, wanted: int = wanted, life: int = done + 1) -> bool:
+                if child.poll() is not None:
+                    raise AssertionError(f"the producer exited ({child.returncode}) before kill {life}")
+                return ledger.read_bytes().count(b"\n") >= wanted
+
+            def kill(child: subprocess.Popen[bytes] = child) -> None:
                 child.kill()  # SIGKILL, only our own child
                 child.wait()
-                done += 1
-                continue
+
+            try:
+                fire_when(mid_stream, kill, what=f"producer kill {done + 1}/{kills}", timeout_s=60)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+            done += 1
+            continue
         assert child.wait(timeout=120) == 0
         break
     return {f"v-{int(x)}" for x in ledger.read_text().split()}, done
 
 
-def _consume_with_kills(command: list[str], applied: Callable[[], int], kills: int, rng: random.Random,
-                        producer_done: threading.Event) -> int:
-    """Run a consumer child and SIGKILL it `kills` times, each time once it applied 200 more effects (so it
-    dies mid-stream); then run it once more, after the producer finished, until it stops by itself."""
-    done = 0
-    deadline = time.monotonic() + 200
-    while time.monotonic() < deadline:
-        final = producer_done.is_set() and done >= kills
-        before = applied()
-        child = subprocess.Popen(command, cwd=ROOT)
-        if not final and done < kills:
-            started = time.monotonic()
-            while applied() < before + 200 and time.monotonic() - started < 30:
-                time.sleep(0.02)
-            time.sleep(rng.uniform(0.0, 0.3))
-            child.kill()  # SIGKILL, only our own child
-            child.wait()
-            done += 1
-            continue
-        assert child.wait(timeout=150) == 0
-        if final:
-            break
+def _consume_with_kills(command: list[str], status_file: Path, offsets: GroupOffsets, log_path: Path, kills: int,
+                        rng: random.Random, producer_done: threading.Event, top_up: Callable[[], None]) -> int:
+    """Run a consumer child and SIGKILL it `kills` times, each once it applied 100 to 400 records in its
+    life and holds applied records its group has not committed (so it dies mid-stream and those are
+    redelivered); then run it once more, after the producer finished, until it stops by itself."""
+
+    def spawn(final: bool) -> subprocess.Popen[bytes]:
+        # A life that is to be killed must not stop by itself while it waits for the producer (it
+        # restarts too); the final one stops once it has been idle for the command's --idle.
+        idle = [] if final else ["--idle", "120"]
+        with log_path.open("ab") as out:
+            return subprocess.Popen(command + ["--status-file", str(status_file)] + idle, cwd=ROOT, stdout=out,
+                                    stderr=subprocess.STDOUT)
+
+    done, code = kill_loop(spawn, what=f"consumer {log_path.stem}", bite=BITES["reliable"], status_file=status_file,
+                           offsets=offsets, kills=kills, rng=rng, min_handled=(100, 400), top_up=top_up,
+                           before_final=lambda: producer_done.wait(150), final_timeout_s=150)
+    assert code == 0, f"consumer {log_path.stem}'s final run exited {code}"
     return done
 
 
@@ -303,14 +320,13 @@ def _redis_effects(url: str, prefix: str) -> Callable[[], Counter[str]]:
 @pytest.mark.parametrize("store", ["sqlite", pytest.param("redis", marks=pytest.mark.redis)])
 def test_killed_producer_and_consumer_apply_each_original_message_exactly_once(
     store: str, kafka: LocalKafkaCluster, make_topic: Callable[..., str], tmp_path: Path,
-    request: pytest.FixtureRequest,
+    request: pytest.FixtureRequest, member_logs: MemberLogs,
 ) -> None:
     topic = make_topic(partitions=3)
     rng = random.Random(17)
     ours_db, control_db = tmp_path / "dedup.db", tmp_path / "control.db"
     common = ["--bootstrap", kafka.bootstrap_servers, "--topic", topic, "--idle", "4"]
-    ours = CONSUMER + common + ["--store", store, "--group", f"ours-{uuid.uuid4().hex[:6]}",
-                                "--instance-id", "ours", "--lease-s", "3"]
+    ours = CONSUMER + common + ["--store", store, "--instance-id", "ours", "--lease-s", "3"]
     if store == "sqlite":
         ours += ["--db", str(ours_db)]
         ours_effects = _sqlite_effects(ours_db)
@@ -320,7 +336,9 @@ def test_killed_producer_and_consumer_apply_each_original_message_exactly_once(
         ours += ["--redis-url", redis_url, "--redis-prefix", prefix]
         ours_effects = _redis_effects(redis_url, prefix)
     control_effects = _sqlite_effects(control_db)
-    control = CONSUMER + common + ["--store", "none", "--group", f"control-{uuid.uuid4().hex[:6]}",
+    ours_group, control_group = f"ours-{uuid.uuid4().hex[:6]}", f"control-{uuid.uuid4().hex[:6]}"
+    ours += ["--group", ours_group]
+    control = CONSUMER + common + ["--store", "none", "--group", control_group,
                                    "--instance-id", "control", "--db", str(control_db)]
 
     producer_done = threading.Event()
@@ -329,19 +347,27 @@ def test_killed_producer_and_consumer_apply_each_original_message_exactly_once(
     def producer() -> None:
         try:
             produced["accepted"], produced["kills"] = _produce_with_kills(kafka, topic, tmp_path, 8_000, 2,
-                                                                          random.Random(18))
+                                                                          random.Random(18),
+                                                                          member_logs.path("producer"))
         finally:
             producer_done.set()
+
+    def top_up() -> None:  # only if a kill's condition did not come: the consumers ran out of input
+        produce(kafka.bootstrap_servers, topic, fresh(f"top-{uuid.uuid4().hex[:4]}", 500))
 
     producer_thread = threading.Thread(target=producer, daemon=True)
     producer_thread.start()
     started = time.monotonic()
     control_kills: list[int] = []
-    control_thread = threading.Thread(target=lambda: control_kills.append(_consume_with_kills(
-        control, lambda: control_effects().total(), 3, random.Random(19), producer_done)), daemon=True)
-    control_thread.start()
-    consumer_kills = _consume_with_kills(ours, lambda: ours_effects().total(), 3, rng, producer_done)
-    control_thread.join(200)
+    with GroupOffsets(kafka.bootstrap_servers, ours_group, topic, 3) as ours_offsets, \
+            GroupOffsets(kafka.bootstrap_servers, control_group, topic, 3) as control_offsets:
+        control_thread = threading.Thread(target=lambda: control_kills.append(_consume_with_kills(
+            control, tmp_path / "control.status.json", control_offsets, member_logs.path("control"), 3,
+            random.Random(19), producer_done, top_up)), daemon=True)
+        control_thread.start()
+        consumer_kills = _consume_with_kills(ours, tmp_path / "ours.status.json", ours_offsets,
+                                             member_logs.path("ours"), 3, rng, producer_done, top_up)
+        control_thread.join(200)
     producer_thread.join(60)
     assert "accepted" in produced, "the producer loop failed"
 
@@ -366,6 +392,7 @@ def test_killed_producer_and_consumer_apply_each_original_message_exactly_once(
           f"outbox re-sends, producer kills {produced['kills']}, consumer kills {consumer_kills}; "
           f"ours lost={lost} double={double}; control lost={control_lost} double={control_double}")
     assert consumer_kills == 3 and control_kills == [3]
+    assert produced["kills"] == 2
     assert not missing_from_topic, f"{len(missing_from_topic)} accepted messages are not in the topic"
     assert (lost, double) == (0, 0), f"lost={lost} double-applied={double}"
     assert control_lost == 0
@@ -409,8 +436,10 @@ def test_redis_killed_for_10s_holds_progress_loses_nothing_and_forgets_what_it_k
     with caplog.at_level(logging.INFO, logger="reliable_kafka"):
         thread = run_in_thread(consumer, handler)
         try:
-            wait_for(lambda: len(store.confirmed) >= 500, 90, "500 confirmed keys")
-            own_redis_server.kill()
+            # Mid-work: 500 keys confirmed and at least 1,000 records still to handle, so the outage
+            # holds real work back (the handler needs about 1 ms a record).
+            fire_when(lambda: len(store.confirmed) >= 500 and len(set(handled)) <= n - 1_000,
+                      own_redis_server.kill, what="redis kill after 500 confirmed keys", timeout_s=90)
             killed_at = time.monotonic()
             forgotten = list(store.confirmed)  # acknowledged by the server that just died
             time.sleep(3.0)  # the batch claimed before the kill finishes; nothing after it may run
@@ -473,8 +502,8 @@ def test_fail_open_keeps_processing_without_the_store_and_warns_once(
                                     commit_interval_s=0.2)
         thread = run_in_thread(consumer, handler)
         try:
-            wait_for(lambda: len(handled) >= 300, 60, "300 records")
-            own_redis_server.kill()
+            fire_when(lambda: len(handled) >= 300 and len(set(handled)) <= n - 500, own_redis_server.kill,
+                      what="redis kill after 300 records (fail-open)", timeout_s=60)
             wait_for(lambda: len(set(handled)) == n, 60, "every record while the store is down")
             wait_for(lambda: committed(kafka.bootstrap_servers, group, topic, 2) == n, 30, "the commit of all")
         finally:
