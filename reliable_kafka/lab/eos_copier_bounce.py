@@ -12,7 +12,6 @@ import faulthandler
 import json
 import logging
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from reliable_kafka.config import consumer_config, producer_config
 from reliable_kafka.errors import TransactionFailed, TransactionFenced
@@ -31,7 +30,8 @@ from reliable_kafka.ids import ID_HEADER, message_id_of, new_ids
 from reliable_kafka.lab.base import CONTROL, RELIABLE, Progress, Scenario, ScenarioResult
 from reliable_kafka.lab.common import result_from, topic_name
 from reliable_kafka.retry import retry_kafka_call
-from reliable_kafka.testing.cluster import LocalKafkaCluster, consume_all
+from reliable_kafka.testing.cluster import LocalKafkaCluster, consume_all, uncommitted_records
+from reliable_kafka.testing.gates import Feeder, fire_when, wait_for
 from reliable_kafka.transactions import CommitInfo, OutputRecord, TransactionalProcessor
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 NAME = "eos-copier-bounce"
 MESSAGES = 5_000
 KILLS = 3
+# The feeder tops the input up by TOP_UP records whenever a copier has fewer than LOW_WATER left, until
+# the last kill: about 1.5 s of copying either way, so no copier runs dry between two looks.
+TOP_UP = 1_000
+LOW_WATER = 1_000
 # Where the copier's code lives, so a child started from anywhere imports this same copy of it.
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,14 +160,23 @@ class _Reporter:
         self._copied += info.messages
         remaining = sum(max(0, self._ends.get(tp, 0) - offset) for tp, offset in self._latest.items())
         total = self._copied + remaining
-        self.event("commit", copied=self._copied, progress=self._copied / total if total else 0.0)
+        self.event("commit", copied=self._copied, progress=self._copied / total if total else 0.0,
+                   partitions=sorted(p for _, p in self._latest))
 
 
 def _end_offsets(bootstrap: str, topic: str) -> dict[tuple[str, int], int]:
     probe = Consumer({"bootstrap.servers": bootstrap, "group.id": f"rk-probe-{uuid.uuid4().hex[:8]}"})
+
+    def ends() -> dict[tuple[str, int], int]:
+        meta = probe.list_topics(topic, timeout=30).topics[topic]
+        if meta.error is not None or not meta.partitions:  # no partitions is no answer, not an empty topic
+            raise KafkaException(meta.error or KafkaError(KafkaError.LEADER_NOT_AVAILABLE))
+        return {(topic, p): probe.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
+                for p in meta.partitions}
+
     try:
-        parts = probe.list_topics(topic, timeout=30).topics[topic].partitions
-        return {(topic, p): probe.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1] for p in parts}
+        # Asked while a broker is being bounced too: a request cut off by the kill is asked again.
+        return retry_kafka_call(ends, deadline_s=90, what=f"end offsets of {topic}")
     finally:
         probe.close()
 
@@ -242,16 +255,22 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
 class CopierProcess:
     """Drives one copier child: start, SIGKILL, restart (same instance name), stop; reads its progress.
 
-    Only the pid this object started is ever signalled.
+    Its JSON events come on stdout. With `log_path`, its stderr and any other stdout line go to that file
+    (appended, one file across restarts, with a line at each start, kill and stop), so a failed test can
+    show what each copier said; without it, stderr is inherited. Only the pid this object started is
+    ever signalled.
     """
 
-    def __init__(self, args: Sequence[str], *, module: str = __name__, name: str = "copier") -> None:
+    def __init__(self, args: Sequence[str], *, module: str = __name__, name: str = "copier",
+                 log_path: str | os.PathLike[str] | None = None) -> None:
         self.name = name
         self.kills = 0
         self._argv = [sys.executable, "-m", module, *args]
+        self._log_path = Path(log_path) if log_path is not None else None
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
         self._progress = 0.0
+        self._partitions: frozenset[int] = frozenset()
         self._started = threading.Event()
         self._events: list[dict[str, Any]] = []
         self.stop_overran = False  # the last stop() had to SIGKILL: the graceful stop took too long
@@ -261,30 +280,54 @@ class CopierProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
         with self._lock:
             self._progress = 0.0
+            self._partitions = frozenset()
             self._started.clear()
-        self._proc = subprocess.Popen(self._argv, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+        if self._log_path is None:
+            self._proc = subprocess.Popen(self._argv, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
+        else:
+            self._note(f"starting: {' '.join(self._argv[1:])}")
+            # The child writes its stderr straight into the file (appending), so nothing is lost when it dies.
+            with self._log_path.open("a") as stderr:
+                self._proc = subprocess.Popen(self._argv, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                              env=env)
         assert self._proc.stdout is not None
         threading.Thread(target=self._read, args=(self._proc.stdout,), daemon=True,
                          name=f"{self.name}-stdout").start()
+
+    def _note(self, line: str) -> None:
+        """Append a line to the member log (if any): the driver's side of the story, or a stray stdout line."""
+        if self._log_path is not None:
+            with self._log_path.open("a") as out:
+                out.write(line if line.endswith("\n") else line + "\n")
 
     def _read(self, stream: IO[str]) -> None:
         for line in stream:
             try:
                 event = json.loads(line)
             except ValueError:
+                self._note(line)  # print()s and faulthandler output of the child, kept with its stderr
                 continue
             with self._lock:
                 self._events.append(event)
                 if event.get("event") == "commit":
                     self._progress = float(event["progress"])
+                    self._partitions = frozenset(event.get("partitions", ()))
             if event.get("event") == "started":
                 self._started.set()
+            elif event.get("event") in ("fenced", "failed", "stopped"):
+                self._note(f"event: {line.strip()}")
 
     @property
     def progress(self) -> float:
         """How far the current incarnation got through the input left when it started (0..1)."""
         with self._lock:
             return self._progress
+
+    @property
+    def partitions(self) -> frozenset[int]:
+        """Input partitions the current incarnation has committed offsets for (empty before its first commit)."""
+        with self._lock:
+            return self._partitions
 
     def events(self, name: str) -> list[dict[str, Any]]:
         with self._lock:
@@ -302,6 +345,7 @@ class CopierProcess:
             self._proc.kill()
             self._proc.wait()
             self.kills += 1
+            self._note(f"SIGKILLed by the driver (kill {self.kills}) at progress {self.progress:.2f}")
 
     def restart(self) -> None:
         self.kill()
@@ -327,11 +371,13 @@ class CopierProcess:
                 time.sleep(1.0)
                 proc.kill()
                 proc.wait()
+        self._note(f"stopped: exit code {proc.returncode}")
         return proc.returncode
 
 
-def group_lag(bootstrap: str, group: str, topic: str) -> int:
-    """Records of `topic` that `group` has not committed yet (stable offsets: open transactions resolved)."""
+def group_lags(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    """Per partition of `topic`, the records `group` has not committed yet (stable offsets: open
+    transactions resolved)."""
     ends = _end_offsets(bootstrap, topic)
     probe = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "isolation.level": "read_committed",
                       "enable.auto.commit": False})
@@ -342,8 +388,13 @@ def group_lag(bootstrap: str, group: str, topic: str) -> int:
                                      what=f"committed offsets of {group}")
     finally:
         probe.close()
-    done = {(tp.topic, tp.partition): max(tp.offset, 0) for tp in committed}
-    return sum(end - done.get(tp, 0) for tp, end in ends.items())
+    done = {tp.partition: max(tp.offset, 0) for tp in committed}
+    return {p: end - done.get(p, 0) for (_, p), end in ends.items()}
+
+
+def group_lag(bootstrap: str, group: str, topic: str) -> int:
+    """Records of `topic` that `group` has not committed yet (stable offsets: open transactions resolved)."""
+    return sum(group_lags(bootstrap, group, topic).values())
 
 
 def kill_rounds(
@@ -351,39 +402,28 @@ def kill_rounds(
     *,
     rounds: int,
     at_progress: float,
-    finished: Callable[[], bool],
-    deadline_s: float,
-    seed: int = 7,
-    aim: Callable[[CopierProcess], bool] | None = None,
+    aim: Callable[[CopierProcess], bool],
+    rearm: Callable[[], None] | None = None,
+    attempts: int = 3,
+    timeout_s: float = 60.0,
 ) -> Iterator[CopierProcess]:
-    """Kafka's TransactionsTest bounce: each round, SIGKILL each copier once its current incarnation
-    has made `at_progress` progress, and restart it. Yields each copier right after its restart.
+    """Kafka's TransactionsTest bounce: each round, SIGKILL each copier in turn and restart it. Yields
+    each copier right after its restart.
 
-    Progress is reported at commits, so each kill waits a random 0-0.5 s more: it should land inside
-    a transaction, not right after one. Stops early when `finished()` says the copy is done (a kill
-    then proves nothing) or the deadline passes. `aim(copier)`, when given, is polled for up to 2 s after
-    that wait, and the kill comes as soon as it says yes (e.g. "the output has records of an open
-    transaction"), so fewer kills land between two transactions.
+    Every kill is gated, never timed: it fires the moment the copier is alive, its current incarnation
+    has made `at_progress` progress (reported at its commits) and `aim(copier)` holds, e.g. "its input
+    has lag left and the output holds records of an open transaction". When that does not come within
+    `timeout_s`, `rearm()` (top up the input) runs and the wait starts again, at most `attempts` times,
+    each logged; then FaultNotArmed: a kill that could not land mid-copy is never fired blind.
     """
-    rng = random.Random(seed)
-    deadline = time.monotonic() + deadline_s
-    for _ in range(rounds):
+    for round_no in range(1, rounds + 1):
         for copier in copiers:
-            next_check = 0.0
-            while copier.progress < at_progress:
-                if time.monotonic() > deadline:
-                    return
-                if time.monotonic() >= next_check:  # finished() asks the brokers: not every tick
-                    if finished():
-                        return
-                    next_check = time.monotonic() + 1.0
-                time.sleep(0.1)
-            time.sleep(rng.uniform(0.0, 0.5))
-            if aim is not None:
-                aim_until = time.monotonic() + 2
-                while time.monotonic() < aim_until and not aim(copier):
-                    pass
-            copier.restart()
+            def ready(c: CopierProcess = copier) -> bool:
+                # The cheap local checks first; aim() asks the brokers.
+                return c.alive() and c.progress >= at_progress and aim(c)
+
+            fire_when(ready, copier.restart, what=f"SIGKILL of {copier.name} in round {round_no}", rearm=rearm,
+                      attempts=attempts, timeout_s=timeout_s)
             yield copier
 
 
@@ -406,50 +446,95 @@ def seed_input(bootstrap: str, topic: str, n: int, *, start: int = 0, keys: int 
     return values
 
 
+class FedSource:
+    """The copy's input topic and every value fed into it so far, in chunks numbered on by seed_input.
+
+    Feeding is serialized, so each key's values reach the topic in increasing order however many
+    threads feed (a Feeder, and fire_when re-arming); `values` is a snapshot of all that was fed.
+    """
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.bootstrap, self.topic = bootstrap, topic
+        self._values: list[bytes] = []
+        self._feeding = threading.Lock()  # one chunk at a time: numbering and offsets in the same order
+        self._lock = threading.Lock()  # the list itself: a snapshot does not wait for a chunk to be sent
+
+    def feed(self, n: int) -> None:
+        with self._feeding:
+            chunk = seed_input(self.bootstrap, self.topic, n, start=len(self._values))
+            with self._lock:
+                self._values += chunk
+
+    @property
+    def values(self) -> list[bytes]:
+        with self._lock:
+            return list(self._values)
+
+
 # ---- the scenario ------------------------------------------------------------------------------
 
 
 def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
     bs = cluster.bootstrap_servers
     started = time.monotonic()
-    source = topic_name(NAME, "input")
-    cluster.create_topic(source, 2)
+    source = FedSource(bs, topic_name(NAME, "input"))
+    cluster.create_topic(source.topic, 2)
     progress("seeding the input", 0.02)
-    values = seed_input(bs, source, MESSAGES)
+    source.feed(MESSAGES)
     runs: dict[str, tuple[str, str, CopierProcess]] = {}
     for client, mode in ((CONTROL, "control"), (RELIABLE, "eos")):
         output = topic_name(NAME, client)
         cluster.create_topic(output, 3)
         group = f"lab-{NAME}-{client}-{uuid.uuid4().hex[:6]}"
         copier = CopierProcess(
-            ["--mode", mode, "--bootstrap", bs, "--input", source, "--output", output, "--group", group,
+            ["--mode", mode, "--bootstrap", bs, "--input", source.topic, "--output", output, "--group", group,
              "--instance", "copier-0", "--delay-ms", "1.5", "--static-membership"],
             name=f"{client}-copier",
         )
         runs[client] = (output, group, copier)
     copiers = [copier for _, _, copier in runs.values()]
+    of_copier = {copier: (client, output, group) for client, (output, group, copier) in runs.items()}
 
     def finished() -> bool:
-        return all(group_lag(bs, group, source) == 0 for _, group, _ in runs.values())
+        return all(group_lag(bs, group, source.topic) == 0 for _, group, _ in runs.values())
 
+    def mid_copy(copier: CopierProcess) -> bool:
+        # A kill proves something only while the copier has work left; the exactly-once copier's kill is
+        # aimed at a moment when its output holds records of its open transaction (it is the only writer).
+        client, output, group = of_copier[copier]
+        if group_lag(bs, group, source.topic) == 0:
+            return False
+        return client != RELIABLE or uncommitted_records(bs, output) > 0
+
+    # Both copiers read the same input: the one furthest ahead decides when to top it up. The copy cannot
+    # finish before the last kill, however fast or slow this machine is.
+    feeder = Feeder(lambda: source.feed(TOP_UP),
+                    lambda: min(group_lag(bs, group, source.topic) for _, group, _ in runs.values()),
+                    low=LOW_WATER, poll_s=0.3, max_top_ups=100, max_seconds=300, name=f"{NAME}-feeder")
     try:
         for copier in copiers:
             copier.start()
-        for n, copier in enumerate(kill_rounds(copiers, rounds=KILLS, at_progress=0.2, finished=finished,
-                                               deadline_s=40), start=1):
-            progress(f"SIGKILLed the {copier.name} ({n} of {KILLS * len(copiers)})", 0.05 + 0.6 * n / 6)
-        progress("letting the copiers finish", 0.7)
-        deadline = time.monotonic() + 60
-        while not finished() and time.monotonic() < deadline:
-            time.sleep(0.5)
+        feeder.start()
+        try:
+            for n, copier in enumerate(kill_rounds(copiers, rounds=KILLS, at_progress=0.2, aim=mid_copy,
+                                                   rearm=feeder.top_up_now, timeout_s=30), start=1):
+                progress(f"SIGKILLed the {copier.name} mid-copy ({n} of {KILLS * len(copiers)})",
+                         0.05 + 0.6 * n / (KILLS * len(copiers)))
+        finally:
+            feeder.stop()  # what was fed is final: the verdict counts every value of it
+        progress(f"letting the copiers finish ({len(source.values)} records fed)", 0.7)
+        if not wait_for(finished, timeout_s=120, poll_s=0.5):
+            log.warning("the copiers had not finished 120 s after the last kill; counting what they wrote")
     finally:
         for copier in copiers:
             copier.stop()
     progress("reading the outputs back (read_committed)", 0.9)
+    values = source.values
     results = []
     for client, (output, _, copier) in runs.items():
         seen = [(m.value(), message_id_of(m.headers())) for m in consume_all(bs, output)]
-        detail = f"{copier.kills} copier SIGKILLs at >=20% progress"
+        detail = f"{copier.kills} copier SIGKILLs mid-copy (each at >=20% progress, input left) of {len(values)} " \
+                 f"records fed"
         if client == RELIABLE:
             everything = sum(1 for _ in consume_all(bs, output, isolation_level="read_uncommitted"))
             detail += f"; {everything - len(seen)} records of aborted transactions hidden from read_committed"

@@ -70,6 +70,7 @@ class Feeder:
     Every `poll_s` it asks `backlog()` (records not yet processed) and calls `top_up()` when it is below
     `low`. Bounded: at most `max_top_ups` calls and `max_seconds` of feeding. Use as a context manager or
     `start()`/`stop()`; `stop()` returns once no top-up is running, so what was fed is final.
+    `top_up_now()` runs one top-up at once, serialized with the feeder's own: `fire_when`'s `rearm`.
     """
 
     def __init__(
@@ -86,6 +87,8 @@ class Feeder:
         self._top_up, self._backlog, self._low = top_up, backlog, low
         self._poll_s, self._max_top_ups, self._max_seconds = poll_s, max_top_ups, max_seconds
         self._stop = threading.Event()
+        # One top-up at a time, whoever asks: a source numbered on from what was fed stays in order.
+        self._feeding = threading.Lock()
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self.top_ups = 0
         self.error: BaseException | None = None
@@ -104,16 +107,30 @@ class Feeder:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
+        with self._feeding:  # a top_up_now() under way finishes first
+            pass
         if self.error is not None:
             raise RuntimeError(f"the feeder failed: {self.error!r}") from self.error
+
+    def top_up_now(self) -> None:
+        """Top the source up once, now (e.g. a fault's condition passed before it fired: re-arm it).
+
+        Refused once `stop()` was called: what was fed is final then.
+        """
+        with self._feeding:
+            if self._stop.is_set():
+                raise RuntimeError("the feeder is stopped: what was fed is final, nothing more is topped up")
+            self._top_up()
+            self.top_ups += 1
 
     def _run(self) -> None:
         deadline = time.monotonic() + self._max_seconds
         try:
             while not self._stop.is_set() and self.top_ups < self._max_top_ups and time.monotonic() < deadline:
-                if self._backlog() < self._low:
-                    self._top_up()
-                    self.top_ups += 1
+                with self._feeding:
+                    if not self._stop.is_set() and self._backlog() < self._low:
+                        self._top_up()
+                        self.top_ups += 1
                 self._stop.wait(self._poll_s)
         except BaseException as exc:  # surfaced by stop(): a feeder that died must fail the test, not hang it
             self.error = exc

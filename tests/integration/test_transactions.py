@@ -14,6 +14,7 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
@@ -21,12 +22,21 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 from reliable_kafka.dlq import parse_dead_letter_headers
 from reliable_kafka.errors import TransactionFenced
 from reliable_kafka.ids import message_id_of
-from reliable_kafka.lab.eos_copier_bounce import CopierProcess, group_lag, kill_rounds, seed_input
+from reliable_kafka.lab.eos_copier_bounce import (
+    CopierProcess,
+    FedSource,
+    group_lag,
+    group_lags,
+    kill_rounds,
+    seed_input,
+)
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
 from reliable_kafka.testing.cluster import uncommitted_records
+from reliable_kafka.testing.gates import Feeder, fire_when, wait_for
 from reliable_kafka.testing.verify import verdict
 from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
+from tests.fixtures.members import MemberLogs
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 log = logging.getLogger(__name__)
@@ -74,22 +84,21 @@ class CommittedReader:
         return self.values
 
 
-def copier(kafka: LocalKafkaCluster, mode: str, source: str, output: str, group: str, instance: str,
-           delay_ms: float, *, static: bool = False) -> CopierProcess:
-    """A copier child; `static` uses static group membership, so a restart rejoins without a rebalance."""
+def copier(kafka: LocalKafkaCluster, logs: MemberLogs, mode: str, source: str, output: str, group: str,
+           instance: str, delay_ms: float, *, static: bool = False) -> CopierProcess:
+    """A copier child logging to its member log; `static` uses static group membership, so a restart
+    rejoins without a rebalance."""
+    name = f"{mode}-{instance}"
     return CopierProcess(
         ["--mode", mode, "--bootstrap", kafka.bootstrap_servers, "--input", source, "--output", output,
          "--group", group, "--instance", instance, "--delay-ms", str(delay_ms),
          *(["--static-membership"] if static else [])],
-        name=f"{mode}-{instance}",
+        name=name, log_path=logs.path(name),
     )
 
 
 def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f}s waiting for {what}"
-        time.sleep(0.5)
+    assert wait_for(condition, timeout_s=timeout, poll_s=0.5), f"timed out after {timeout:.0f}s waiting for {what}"
 
 
 def assert_exactly_once_in_key_order(kafka: LocalKafkaCluster, output: str, values: Sequence[bytes]) -> int:
@@ -110,35 +119,58 @@ def assert_exactly_once_in_key_order(kafka: LocalKafkaCluster, output: str, valu
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)  # 12 kills and restarts on a busy 2-core host; the phases below have their own limits
-def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka, make_topic) -> None:
+def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka, make_topic, member_logs) -> None:
     bs = kafka.bootstrap_servers
-    source = make_topic(partitions=2, prefix="eos-in")
+    source = FedSource(bs, make_topic(partitions=2, prefix="eos-in"))
     output, control_output = make_topic(partitions=3, prefix="eos-out"), make_topic(partitions=3, prefix="ctl-out")
-    values = seed_input(bs, source, MESSAGES)
+    # A quarter of the input up front, the rest fed while the kills go on (below).
+    source.feed(MESSAGES // 4)
     groups = {"eos": f"eos-{uuid.uuid4().hex[:6]}", "control": f"ctl-{uuid.uuid4().hex[:6]}"}
     # Static membership: a killed copier's restart takes its partition back at once instead of after a
-    # session timeout, which keeps 12 kills within the time budget. (The broker test below runs the
-    # group dynamically, with the rebalances and lost partitions that brings.)
-    # 6 ms a record: about 30 s of copying per copier, room for three rounds of kills and restarts of
-    # four copiers one after the other (the copy must not finish before the last kill).
-    eos = [copier(kafka, "eos", source, output, groups["eos"], f"c{i}", 6.0, static=True) for i in range(2)]
-    control = [copier(kafka, "control", source, control_output, groups["control"], f"c{i}", 6.0, static=True)
-               for i in range(2)]
+    # session timeout, so each copier keeps one input partition and 12 kills fit the time budget. (The
+    # broker test below runs the group dynamically, with the rebalances and lost partitions that brings.)
+    # 6 ms a record: a copier copies ~160 records a second, so a transaction holds a dozen or more.
+    eos = [copier(kafka, member_logs, "eos", source.topic, output, groups["eos"], f"c{i}", 6.0, static=True)
+           for i in range(2)]
+    control = [copier(kafka, member_logs, "control", source.topic, control_output, groups["control"], f"c{i}", 6.0,
+                      static=True) for i in range(2)]
+    group_of = {c: groups["eos"] for c in eos} | {c: groups["control"] for c in control}
 
     def done() -> bool:
-        return all(group_lag(bs, g, source) == 0 for g in groups.values())
+        return all(group_lag(bs, g, source.topic) == 0 for g in groups.values())
 
+    def mid_copy(c: CopierProcess) -> bool:
+        # The kill lands while this copier has input left (it is copying, not idle). A processor's kill
+        # also waits until the output holds records of an open transaction, so most kills leave one for
+        # the restart to abort. (Both processors write every output partition: it may be the other's.)
+        lags = group_lags(bs, group_of[c], source.topic)
+        if not any(lags.get(p, 0) > 0 for p in c.partitions):
+            return False
+        return c not in eos or uncommitted_records(bs, output) > 0
+
+    # Keeps every copier's partition ahead until the last kill, so no copy can finish before the kills
+    # do however this host is loaded: ~3 s of copying left per partition at the low water mark, topped up
+    # in chunks of ~3 s (the chunk's keys spread over both partitions).
+    feeder = Feeder(lambda: source.feed(1_000),
+                    lambda: min(min(group_lags(bs, g, source.topic).values()) for g in groups.values()),
+                    low=500, poll_s=0.5, max_top_ups=150, max_seconds=360, name="eos-input-feeder")
     reader = CommittedReader(bs, output, 3).start()
     try:
         for c in eos + control:
             c.start()
-        for _ in kill_rounds(eos + control, rounds=3, at_progress=0.2, finished=done, deadline_s=180,
-                             aim=lambda c: c not in eos or uncommitted_records(bs, output) > 0):
-            pass
+        feeder.start()
+        try:
+            for _ in kill_rounds(eos + control, rounds=3, at_progress=0.2, aim=mid_copy, rearm=feeder.top_up_now,
+                                 attempts=3, timeout_s=40):
+                pass
+        finally:
+            feeder.stop()  # after the last kill: what was fed is final, and the copy can finish
+        log.info("12 kills mid-copy; %d records fed in %d top-ups", len(source.values), feeder.top_ups)
         wait_until(done, 120, "both copies to finish")
     finally:
         exit_codes = [c.stop() for c in eos + control]
         seen = reader.drain()
+    values = source.values
     assert exit_codes == [0, 0, 0, 0], {c.name: c.events("failed") + c.events("fenced") for c in eos + control}
     assert [c.kills for c in eos] == [3, 3], (
         f"every processor must be SIGKILLed 3 times mid-copy; kills {[c.kills for c in eos + control]}, "
@@ -147,9 +179,10 @@ def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka,
     aborted = assert_exactly_once_in_key_order(kafka, output, values)
     concurrent = verdict(values, seen)
     assert (concurrent.lost, concurrent.duplicates) == (0, 0), f"the concurrent read_committed reader: {concurrent}"
-    # Aborted records exist only when a kill lands while a transaction holds data on the brokers (the
-    # processor writes a batch into its transaction just before committing it): reported, not required.
-    # That the kills hit mid-copy is shown by the control's duplicates below.
+    # Aborted records exist only when a kill lands while a transaction holds data on the brokers: the
+    # kills are aimed at such moments, but the transaction may commit between the look and the kill, or
+    # be the other processor's. Reported, not required; that the kills hit mid-copy is shown by the
+    # control's duplicates below.
     ctl = verdict(values, [m.value() or b"" for m in consume_all(bs, control_output)])
     log.info("exactly-once copy: %d records, %d aborted records hidden; control: %s", len(values), aborted, ctl)
     assert ctl.lost == 0, ctl
@@ -158,37 +191,59 @@ def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka,
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)  # three broker bounces, a copy of up to 180 s and a stop of up to 90 s, each bounded
-def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing(kafka, make_topic) -> None:
+def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing(kafka, make_topic,
+                                                                                  member_logs) -> None:
     bs = kafka.bootstrap_servers
-    source = make_topic(partitions=2, prefix="eos-in")
+    source = FedSource(bs, make_topic(partitions=2, prefix="eos-in"))
     output = make_topic(partitions=3, prefix="eos-out")
-    # The input arrives in four parts, one before each broker bounce, so every bounce hits a running copy
-    # however long a broker takes to come back on this host.
-    part = MESSAGES // 4
-    values = seed_input(bs, source, part)
+    source.feed(MESSAGES // 4)
     group = f"eos-{uuid.uuid4().hex[:6]}"
-    eos = [copier(kafka, "eos", source, output, group, f"c{i}", 2.0) for i in range(2)]
+    # 4 ms a record: two copiers copy up to ~500 records a second, which the feeder keeps ahead of.
+    eos = [copier(kafka, member_logs, "eos", source.topic, output, group, f"c{i}", 4.0) for i in range(2)]
+    # The input is kept ~2 s ahead of the copy until the last bounce: every bounce finds a running copy
+    # however long a broker takes to come back on this host, and the copy cannot end in between.
+    feeder = Feeder(lambda: source.feed(1_000), lambda: group_lag(bs, group, source.topic), low=1_000, poll_s=0.5,
+                    max_top_ups=150, max_seconds=400, name="eos-input-feeder")
     reader = CommittedReader(bs, output, 3).start()
     bounced_mid_copy = 0
+
+    def commits() -> int:
+        return sum(len(c.events("commit")) for c in eos)
+
     try:
         for c in eos:
             c.start()
         wait_until(lambda: any(c.progress > 0 for c in eos), 60, "the copy to start")
-        for node in kafka.node_ids:
-            values += seed_input(bs, source, part, start=len(values))
-            time.sleep(0.5)  # the copiers are at it
-            bounced_mid_copy += group_lag(bs, group, source) > 0
-            kafka.kill(node)
-            wait_until(lambda: node not in kafka.registered_brokers(), 30, f"node {node} to be fenced")  # noqa: B023
-            kafka.start_node(node)
-            kafka.wait_healthy()
-        wait_until(lambda: group_lag(bs, group, source) == 0, 180, "the copy to finish")
+        feeder.start()
+        try:
+            for node in kafka.node_ids:
+                lag = [0]  # the group's lag seen just before the kill
+
+                def mid_copy(since: int = commits(), lag: list[int] = lag) -> bool:
+                    # The copy went on since the cluster was last whole (a commit since), has input left,
+                    # and the output holds records of an open transaction: the bounce hits a copy at work.
+                    if commits() <= since:
+                        return False
+                    lag[0] = group_lag(bs, group, source.topic)
+                    return lag[0] > 0 and uncommitted_records(bs, output) > 0
+
+                fire_when(mid_copy, partial(kafka.kill, node), what=f"SIGKILL of broker {node}",
+                          rearm=feeder.top_up_now, attempts=3, timeout_s=60)
+                bounced_mid_copy += lag[0] > 0
+                wait_until(lambda: node not in kafka.registered_brokers(), 30, f"node {node} to be fenced")  # noqa: B023
+                kafka.start_node(node)
+                kafka.wait_healthy()
+        finally:
+            feeder.stop()  # after the last bounce: what was fed is final, and the copy can finish
+        log.info("3 broker bounces mid-copy; %d records fed in %d top-ups", len(source.values), feeder.top_ups)
+        wait_until(lambda: group_lag(bs, group, source.topic) == 0, 180, "the copy to finish")
     finally:
         # A graceful stop commits first; right after a coordinator moved, one transactional call may take
         # the processor's whole retry deadline (2 x 30 s), so the stop gets more than that.
         with ThreadPoolExecutor(len(eos)) as stopping:  # side by side: each stop is bounded on its own
             exit_codes = list(stopping.map(lambda c: c.stop(timeout=90), eos))
         seen = reader.drain()
+    values = source.values
     assert not any(c.events("failed") + c.events("fenced") for c in eos), \
         [c.events("failed") + c.events("fenced") for c in eos]
     # A stop that overran was SIGKILLed after a stack dump (in the log): a slow stop, which exactly-once,
@@ -328,9 +383,9 @@ def test_a_stop_while_every_broker_hangs_returns_in_time_and_the_next_instance_c
     kafka, make_topic
 ) -> None:
     bs = kafka.bootstrap_servers
-    source = make_topic(partitions=2, prefix="hang-in")
+    source = FedSource(bs, make_topic(partitions=2, prefix="hang-in"))
     output = make_topic(partitions=2, prefix="hang-out")
-    values = seed_input(bs, source, 3_000)
+    source.feed(3_000)
     group, tid = f"hang-{uuid.uuid4().hex[:6]}", f"hang-{uuid.uuid4().hex[:6]}"
 
     def transform(msg: Message) -> list[OutputRecord]:
@@ -338,7 +393,7 @@ def test_a_stop_while_every_broker_hangs_returns_in_time_and_the_next_instance_c
         return [OutputRecord(output, msg.value(), msg.key())]
 
     def processor(stop_timeout_s: float) -> TransactionalProcessor:
-        return TransactionalProcessor({"bootstrap.servers": bs}, group_id=group, input_topics=[source],
+        return TransactionalProcessor({"bootstrap.servers": bs}, group_id=group, input_topics=[source.topic],
                                       transform=transform, transactional_id=tid, stop_timeout_s=stop_timeout_s)
 
     first = processor(stop_timeout_s=5.0)
@@ -346,12 +401,20 @@ def test_a_stop_while_every_broker_hangs_returns_in_time_and_the_next_instance_c
     with first:
         runner = threading.Thread(target=first.run, daemon=True)
         runner.start()
-        wait_until(lambda: first.stats().outputs_committed > 0, 60, "a first commit")
-        try:
-            for node in kafka.node_ids:  # a whole-cluster hang: no commit, abort or rewind can get through
+
+        def copying() -> bool:  # committed some of the input, not all of it: the hang hits a copy at work
+            return 0 < first.stats().messages_committed < len(source.values)
+
+        def hang_every_broker() -> None:  # a whole-cluster hang: no commit, abort or rewind can get through
+            for node in kafka.node_ids:
                 kafka.pause(node)
                 paused.append(node)
-            time.sleep(1.0)
+
+        try:
+            # More input re-arms the hang if the copy got through it all before the look.
+            fire_when(copying, hang_every_broker, what="SIGSTOP of every broker", rearm=lambda: source.feed(1_000),
+                      attempts=3, timeout_s=20)
+            time.sleep(1.0)  # the hang's length before the stop: the processor is stuck in calls by then
             asked = time.monotonic()
             first.stop()
             runner.join(60)
@@ -370,8 +433,9 @@ def test_a_stop_while_every_broker_hangs_returns_in_time_and_the_next_instance_c
     with second:
         runner = threading.Thread(target=second.run, daemon=True)
         runner.start()
-        wait_until(lambda: group_lag(bs, group, source) == 0, 120, "the next instance to finish the copy")
+        wait_until(lambda: group_lag(bs, group, source.topic) == 0, 120, "the next instance to finish the copy")
         second.stop()
         runner.join(60)
+    values = source.values
     assert first.stats().messages_committed < len(values), "the brokers hung only after the copy was over"
     assert_exactly_once_in_key_order(kafka, output, values)
