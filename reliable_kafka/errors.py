@@ -151,3 +151,19 @@ class ReadIncomplete(ReliableKafkaError):
     below the end offset), or its start was already deleted by retention. Retry when the cluster is
     healthy, or choose offsets that still exist.
     """
+
+
+class MissingExtra(ReliableKafkaError, ModuleNotFoundError):
+    """A part was used without the optional extra that installs its dependencies; the message names it.
+
+    A ModuleNotFoundError too, so code that probes for an optional part with `except ImportError`
+    keeps working. `extra` is the extra's name; `name` is the missing module, as for any import error.
+    """
+
+    def __init__(self, extra: str, what: str, missing: str) -> None:
+        self.extra = extra
+        super().__init__(
+            f"{what} needs the {extra} extra (module {missing!r} is not installed): "
+            f"pip install 'reliable-kafka[{extra}]'",
+            name=missing,
+        )
