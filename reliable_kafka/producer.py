@@ -239,7 +239,7 @@ class ReliableProducer:
         """
         sent = self.send_many([Message(topic, value, key, headers, partition, message_id)])[0]
         if sent.error is not None:
-            raise DeliveryFailed(sent.message_id, sent.error)
+            raise DeliveryFailed(sent.message_id, sent.error, topic=topic, partition=partition)
         return sent
 
     def send_many(self, messages: Iterable[Message | tuple[str, Any]]) -> list[Sent]:

@@ -842,7 +842,8 @@ class TransactionalProcessor:
             self._broken = TransactionFailed(
                 f"transactional.id {self._transactional_id!r}: {self._failed_in_a_row} transactions in a row "
                 f"failed, the last with {exc}. Nothing past the last committed transaction was lost; check "
-                "that the output and dead-letter topics exist and the brokers are healthy, then restart"
+                "that the output and dead-letter topics exist and the brokers are healthy, then restart",
+                code=kafka_errors.name_of(exc.error),
             )
             raise self._broken from exc.error
         self._stopping.wait(min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (self._failed_in_a_row - 1)))
@@ -895,7 +896,8 @@ class TransactionalProcessor:
             self._broken = TransactionFailed(
                 f"transactional.id {self._transactional_id!r}: init_transactions did not succeed within "
                 f"{self._retry_deadline:.0f}s ({kafka_errors.describe(exc.error)}); is the transaction "
-                "coordinator reachable and __transaction_state healthy?"
+                "coordinator reachable and __transaction_state healthy?",
+                code=kafka_errors.name_of(exc.error),
             )
             raise self._broken from exc.error
         return producer
@@ -970,7 +972,8 @@ class TransactionalProcessor:
         except KafkaException as exc:
             self._broken = TransactionFailed(
                 "could not read the committed offsets to rewind after an abort "
-                f"({kafka_errors.describe(exc)}); stopping rather than skip or repeat records"
+                f"({kafka_errors.describe(exc)}); stopping rather than skip or repeat records",
+                code=kafka_errors.name_of(exc),
             )
             raise self._broken from exc
         for tp in committed:
@@ -996,13 +999,15 @@ class TransactionalProcessor:
             error = TransactionFenced(
                 f"transactional.id {self._transactional_id!r} was fenced during {exc.operation} ({reason}): "
                 "another instance with the same transactional.id or group.instance.id took over. This "
-                "instance stopped; its uncommitted work is aborted and redone by the new owner."
+                "instance stopped; its uncommitted work is aborted and redone by the new owner.",
+                code=kafka_errors.name_of(exc.error),
             )
         else:
             error = TransactionFailed(
                 f"transactional.id {self._transactional_id!r}: fatal error during {exc.operation} "
                 f"({reason}). This instance stopped; its uncommitted work is aborted and redone after a "
-                "restart."
+                "restart.",
+                code=kafka_errors.name_of(exc.error),
             )
         self._broken = error
         self._clear_txn()

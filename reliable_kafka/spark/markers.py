@@ -213,7 +213,7 @@ class MarkerTopic:
             if t is not None and t.error is None and t.partitions and all(p.leader >= 0 for p in t.partitions.values()):
                 return
             time.sleep(0.2)
-        raise PartitionWriteFailed(f"marker topic {self.topic} has no leader for every partition yet")
+        raise PartitionWriteFailed(f"marker topic {self.topic} has no leader for every partition yet", topic=self.topic)
 
     def partitions(self) -> int:
         if self._partitions is None:
@@ -225,7 +225,8 @@ class MarkerTopic:
             if t is None or t.error is not None or not t.partitions:
                 raise PartitionWriteFailed(
                     f"marker topic {self.topic} is missing ({t.error if t is not None else 'no metadata'}); "
-                    "the driver creates it before the tasks run"
+                    "the driver creates it before the tasks run",
+                    topic=self.topic,
                 )
             self._partitions = len(t.partitions)
         return self._partitions
@@ -291,7 +292,9 @@ class MarkerTopic:
                 if time.monotonic() > deadline:
                     raise PartitionWriteFailed(
                         f"reading markers of {self.topic}[{partition}] stopped at offset {position} of {end} "
-                        f"after {self.timeout_s:.0f}s: a transaction below the end stayed open"
+                        f"after {self.timeout_s:.0f}s: a transaction below the end stayed open",
+                        topic=self.topic,
+                        partition=partition,
                     )
         finally:
             consumer.close()
@@ -309,5 +312,6 @@ class MarkerTopic:
         left = producer.flush(self.timeout_s)
         if left or errors:
             raise PartitionWriteFailed(
-                f"could not write {key!r} to {self.topic}: {errors[0] if errors else 'not acknowledged in time'}"
+                f"could not write {key!r} to {self.topic}: {errors[0] if errors else 'not acknowledged in time'}",
+                topic=self.topic,
             )

@@ -142,7 +142,8 @@ class _Sender:
             if meta is None or meta.error is not None or not meta.partitions:
                 raise PartitionWriteFailed(
                     f"topic {topic!r} is not available ({meta.error if meta is not None else 'no metadata'}): "
-                    "create it before writing"
+                    "create it before writing",
+                    topic=topic,
                 )
             count = self._partition_counts[topic] = len(meta.partitions)
         return count
@@ -291,7 +292,8 @@ def _write_at_least_once(
         producer.flush(0)
         if isinstance(exc, KafkaException):  # e.g. a fatal idempotence error: the producer is unusable
             raise PartitionWriteFailed(
-                f"writing partition {partition} of write {options.write_id!r} failed: {kafka_errors.describe(exc)}"
+                f"writing partition {partition} of write {options.write_id!r} failed: {kafka_errors.describe(exc)}",
+                code=kafka_errors.name_of(exc),
             ) from exc
         raise
     if hook == -1:
