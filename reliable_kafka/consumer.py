@@ -22,7 +22,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from reliable_kafka import telemetry
-from reliable_kafka.config import consumer_config
+from reliable_kafka.config import connection_settings, consumer_config
 from reliable_kafka.dedup.base import DedupStore
 from reliable_kafka.dlq import dead_letter_headers, dlq_topic_for
 from reliable_kafka.errors import (
@@ -613,8 +613,7 @@ class ReliableConsumer:
         assert topic is not None
         dlq = dlq_topic_for(topic, self._dead_letter.template)
         if self._dlq_producer is None:
-            conf = {k: v for k, v in self._config.items()
-                    if k.startswith(("bootstrap.", "security.", "sasl.", "ssl.", "client."))}
+            conf = connection_settings(self._config)
             conf.update(self._dead_letter.producer_config or {})
             conf.setdefault("topic.metadata.propagation.max.ms", 10_000)
             conf.setdefault("message.timeout.ms", int(self._dead_letter.timeout_s * 1000))

@@ -19,10 +19,10 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 
 from reliable_kafka import kafka_errors
-from reliable_kafka.config import consumer_config
+from reliable_kafka.config import connection_settings, consumer_config
 from reliable_kafka.errors import CommitFailed, ConfigError, WriteRefused
 from reliable_kafka.retry import retry_kafka_call
-from reliable_kafka.spark.markers import Manifest, MarkerTopic, connection_settings, manifest_key
+from reliable_kafka.spark.markers import Manifest, MarkerTopic, manifest_key
 from reliable_kafka.spark.options import (
     AT_LEAST_ONCE,
     DEFAULT_MARKER_TOPIC,

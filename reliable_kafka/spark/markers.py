@@ -27,25 +27,13 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from reliable_kafka import kafka_errors
-from reliable_kafka.config import consumer_config, producer_config
+from reliable_kafka.config import connection_settings, consumer_config, producer_config
 from reliable_kafka.errors import PartitionWriteFailed, TopicConfigError
 from reliable_kafka.retry import retry_kafka_call
 
 log = logging.getLogger(__name__)
 
-# Settings that say how to reach and authenticate to the cluster; the rest of a writer's kafka.*
-# options are producer tuning that a marker reader must not be given.
-_CONNECTION_PREFIXES = (
-    "bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.", "api.version",
-    "metadata.", "reconnect.", "connections.", "topic.metadata", "enable.ssl",
-)
-
 _VERSION = 1
-
-
-def connection_settings(kafka: Mapping[str, Any]) -> dict[str, Any]:
-    """Only the settings every client type understands: where the brokers are and how to log in."""
-    return {k: v for k, v in kafka.items() if k.startswith(_CONNECTION_PREFIXES)}
 
 
 def partition_key(write_id: str, partition: int) -> str:

@@ -31,11 +31,10 @@ from pyspark.sql.datasource import DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
 from reliable_kafka import kafka_errors
-from reliable_kafka.config import consumer_config
+from reliable_kafka.config import connection_settings, consumer_config
 from reliable_kafka.errors import ConfigError, ReadIncomplete
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.retry import retry_kafka_call
-from reliable_kafka.spark.markers import connection_settings
 from reliable_kafka.spark.options import EARLIEST, LATEST, ReaderOptions
 
 log = logging.getLogger(__name__)
