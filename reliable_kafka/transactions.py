@@ -32,6 +32,7 @@ from confluent_kafka import (
 )
 
 from reliable_kafka import kafka_errors, telemetry
+from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.config import consumer_config, transactional_producer_config
 from reliable_kafka.dlq import DEFAULT_DLQ_TEMPLATE, dead_letter_headers, dlq_topic_for
 from reliable_kafka.errors import (
@@ -655,24 +656,15 @@ class TransactionalProcessor:
                     produce(topic, value, key, partition, None, None, 0,
                             [(ID_HEADER, headers)] if headers.__class__ is str else list(headers))  # type: ignore[arg-type]
                 except BufferError:
-                    self._produce_when_room(out)
+                    # Bounded by message.timeout.ms: then queued records fail, which frees room, and
+                    # the commit aborts.
+                    produce_when_room(producer, topic, value, key, partition, None, None, 0, _out_headers(out))
             except KafkaException as exc:
                 self._output_refused(out, exc)
         self._txn_offsets.update(batch.offsets)
         self._txn_messages += batch.messages
         self._txn_outputs += len(batch.outputs)
         self._txn_dead += batch.dead
-
-    def _produce_when_room(self, out: _Out) -> None:
-        """The local queue is full: let librdkafka send, then try again. Bounded by message.timeout.ms,
-        after which queued records fail and the commit aborts."""
-        producer = self._producer
-        assert producer is not None
-        while True:
-            producer.poll(0.05)
-            with contextlib.suppress(BufferError):
-                producer.produce(out[0], out[1], out[2], out[3], headers=_out_headers(out))
-                return
 
     def _output_refused(self, out: _Out, exc: KafkaException) -> None:
         """produce() refused an output: abort; dead-letter the input if Kafka will never take the output."""

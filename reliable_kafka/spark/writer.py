@@ -21,6 +21,7 @@ from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 from pyspark.sql.types import ArrayType, BinaryType, IntegerType, StringType, StructType
 
 from reliable_kafka import kafka_errors, telemetry
+from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.errors import (
     ConfigError,
     PartitionWriteFailed,
@@ -216,18 +217,10 @@ class _Sender:
             except BufferError:
                 self._wait_for_room(topic, value, key, part, hdr)
 
-    def _wait_for_room(self, *args: Any) -> None:
+    def _wait_for_room(self, topic: str, value: Any, key: Any, part: int, hdr: Any) -> None:
         # The local queue is full: serve delivery reports until there is room, for a bounded time.
-        topic, value, key, part, hdr = args
-        deadline = time.monotonic() + self.deadline_s
-        while time.monotonic() < deadline:
-            self.producer.poll(0.05)
-            try:
-                self.producer.produce(topic, value, key, part, headers=hdr)
-                return
-            except BufferError:
-                continue
-        raise PartitionWriteFailed(f"the producer queue stayed full for {self.deadline_s:.0f}s; is the cluster up?")
+        if not produce_when_room(self.producer, topic, value, key, part, None, None, 0, hdr, timeout_s=self.deadline_s):
+            raise PartitionWriteFailed(f"the producer queue stayed full for {self.deadline_s:.0f}s; is the cluster up?")
 
 
 def _is_fatal(exc: BaseException) -> bool:
