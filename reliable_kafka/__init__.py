@@ -8,23 +8,32 @@ from typing import TYPE_CHECKING
 from reliable_kafka.consumer import DeadLetterPolicy, ReliableConsumer
 from reliable_kafka.dedup import ClaimResult, DedupStore, SQLiteDedupStore
 from reliable_kafka.errors import (
+    ClusterError,
     ClusterUnreachable,
     CommitFailed,
     ConfigError,
     DeadLetterFailed,
     DedupStoreUnavailable,
     DeliveryFailed,
+    InputRefused,
+    MissingExtra,
     OutboxCorrupt,
     OutboxError,
     OutboxFull,
     OutboxLocked,
+    PartitionWriteFailed,
     ProducerClosed,
+    ReadIncomplete,
+    RefusedByKafka,
     ReliableKafkaError,
     RetriesExhausted,
     RetryInterrupted,
     SerializationError,
     TopicConfigError,
+    TransactionFailed,
     TransactionFenced,
+    Unavailable,
+    WriteRefused,
 )
 from reliable_kafka.outbox import Durability, OutboxRow
 from reliable_kafka.producer import Message, ReliableProducer, Sent
@@ -45,6 +54,7 @@ def __getattr__(name: str) -> object:
         return RedisDedupStore
     raise AttributeError(f"module 'reliable_kafka' has no attribute {name!r}")
 
+
 __all__ = [
     "ClaimResult",
     "DeadLetterPolicy",
@@ -59,22 +69,32 @@ __all__ = [
     "RetryPolicy",
     "SQLiteDedupStore",
     "Sent",
+    "TransactionalProcessor",
+    # errors (the tree is drawn in reliable_kafka/errors.py)
+    "ClusterError",
     "ClusterUnreachable",
     "CommitFailed",
     "ConfigError",
     "DeadLetterFailed",
     "DedupStoreUnavailable",
     "DeliveryFailed",
+    "InputRefused",
+    "MissingExtra",
     "OutboxCorrupt",
     "OutboxError",
     "OutboxFull",
     "OutboxLocked",
+    "PartitionWriteFailed",
     "ProducerClosed",
+    "ReadIncomplete",
+    "RefusedByKafka",
     "ReliableKafkaError",
     "RetriesExhausted",
     "RetryInterrupted",
     "SerializationError",
     "TopicConfigError",
+    "TransactionFailed",
     "TransactionFenced",
-    "TransactionalProcessor",
+    "Unavailable",
+    "WriteRefused",
 ]

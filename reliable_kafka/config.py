@@ -190,3 +190,36 @@ def transactional_producer_config(user: Mapping[str, Any] | None, transactional_
             "would outlive the transaction that carries it",
         )
     return cfg
+
+
+# Where the brokers are and how to reach and log in to them: librdkafka global properties that every
+# client type (producer, consumer, admin) accepts. A helper client that reliable_kafka builds from the
+# user's config (the dead-letter producer, the preflight's admin client, Spark's marker and offset
+# clients) gets these and nothing else: the rest is tuning for one client type, which another type
+# refuses (a consumer's group.id in a producer) or would misapply (a producer's linger.ms in a reader).
+CONNECTION_KEYS = frozenset({
+    "bootstrap.servers",
+    "metadata.broker.list",  # the old name of bootstrap.servers
+    "security.protocol",
+    "connections.max.idle.ms",
+    "enable.ssl.certificate.verification",
+    "enable.sasl.oauthbearer.unsecure.jwt",
+    "oauth_cb",  # confluent-kafka's SASL/OAUTHBEARER token callback: the login itself
+})
+CONNECTION_PREFIXES = (
+    "sasl.",  # mechanism, username/password, kerberos, oauthbearer (OIDC) settings
+    "ssl.",  # certificates, keys, CA, endpoint identification
+    "https.",  # the CA used to fetch OIDC tokens
+    "socket.",  # timeouts, keepalive, buffer sizes
+    "client.",  # client.id, client.rack, client.dns.lookup, client.software.*
+    "broker.",  # broker.address.family, broker.address.ttl, broker.version.fallback
+    "api.version.",
+    "reconnect.",  # reconnect.backoff.ms / .max.ms
+    "metadata.",  # metadata.max.age.ms, metadata.recovery.*
+    "topic.metadata.",  # refresh and propagation of topic metadata
+)
+
+
+def connection_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Only the settings of `config` that say where the brokers are and how to connect and log in."""
+    return {k: v for k, v in config.items() if k in CONNECTION_KEYS or k.startswith(CONNECTION_PREFIXES)}

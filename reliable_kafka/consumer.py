@@ -22,7 +22,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from reliable_kafka import telemetry
-from reliable_kafka.config import consumer_config
+from reliable_kafka.config import connection_settings, consumer_config
 from reliable_kafka.dedup.base import DedupStore
 from reliable_kafka.dlq import dead_letter_headers, dlq_topic_for
 from reliable_kafka.errors import (
@@ -35,7 +35,7 @@ from reliable_kafka.errors import (
     RetryInterrupted,
 )
 from reliable_kafka.ids import message_id_of
-from reliable_kafka.kafka_errors import Disposition, classify, describe
+from reliable_kafka.kafka_errors import Disposition, classify, describe, name_of
 from reliable_kafka.offsets import OffsetTracker
 from reliable_kafka.retry import RetryPolicy, retry_kafka_call
 
@@ -261,7 +261,7 @@ class ReliableConsumer:
             if disposition is Disposition.RETRIABLE and "_NO_OFFSET" in describe(exc):
                 return {}
             raise CommitFailed(f"could not commit offsets {offsets} within {self._commit_timeout_s:.0f}s: "
-                               f"{describe(exc)}") from exc
+                               f"{describe(exc)}", code=name_of(exc)) from exc
         telemetry.commit_latency.record(time.monotonic() - started)
         self._tracker.mark_committed(offsets)
         self._counts["commits"] += 1
@@ -613,8 +613,7 @@ class ReliableConsumer:
         assert topic is not None
         dlq = dlq_topic_for(topic, self._dead_letter.template)
         if self._dlq_producer is None:
-            conf = {k: v for k, v in self._config.items()
-                    if k.startswith(("bootstrap.", "security.", "sasl.", "ssl.", "client."))}
+            conf = connection_settings(self._config)
             conf.update(self._dead_letter.producer_config or {})
             conf.setdefault("topic.metadata.propagation.max.ms", 10_000)
             conf.setdefault("message.timeout.ms", int(self._dead_letter.timeout_s * 1000))
@@ -628,13 +627,13 @@ class ReliableConsumer:
         try:
             sent = self._dlq_producer.send(dlq, w.msg.value(), w.msg.key(), headers)
         except ReliableKafkaError as exc:
-            raise DeadLetterFailed(f"dead-letter write to {dlq!r} refused: {exc}") from exc
+            raise DeadLetterFailed(f"dead-letter write to {dlq!r} refused: {exc}", topic=dlq, code=exc.code) from exc
         state = self._dlq_producer.wait(sent, timeout=self._dead_letter.timeout_s)
         if state != "delivered":
             reason = self._dlq_producer.reason(sent) or f"not acknowledged within {self._dead_letter.timeout_s}s"
             if state == "failed":
                 self._dlq_producer.forget_failed(sent)
-            raise DeadLetterFailed(f"dead-letter write to {dlq!r} failed: {reason}")
+            raise DeadLetterFailed(f"dead-letter write to {dlq!r} failed: {reason}", topic=dlq)
 
     def _retry_stuck(self) -> None:
         with self._confirm_lock:

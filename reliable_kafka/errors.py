@@ -1,17 +1,79 @@
 """The one exception hierarchy of reliable_kafka.
 
 Every error says what happened and what the user can do about it; nothing here is raised for a
-message that was silently dropped, because nothing is ever silently dropped.
+message that was silently dropped, because nothing is ever silently dropped. The middle classes group
+errors by what the caller does next, so one `except` clause can handle a whole branch::
+
+    ReliableKafkaError                 (code, topic, partition: set where known, else None)
+    ├── InputRefused                   refused before anything was written: fix the input, call again
+    │   ├── ConfigError                (also ValueError) a setting is unsafe or invalid
+    │   ├── TopicConfigError           the preflight refused a topic's replication settings
+    │   ├── SerializationError         (also TypeError) a key or value is not bytes
+    │   └── WriteRefused               a Spark exactly-once write's input changed under its write id
+    ├── Unavailable                    something needed did not answer in time: nothing lost, retry later
+    │   ├── ClusterUnreachable         no broker answered
+    │   ├── CommitFailed               offsets not committed; the records are delivered again
+    │   ├── DedupStoreUnavailable      the dedup store cannot be reached (fail-closed)
+    │   ├── ReadIncomplete             a Spark read task could not read its whole range
+    │   └── OutboxFull                 (also OutboxError) the outbox stayed full for the send timeout
+    ├── RefusedByKafka                 Kafka refused the work for good, or stopped this instance
+    │   ├── DeliveryFailed             a message was refused; it is kept in the outbox as failed
+    │   ├── TransactionFenced          another instance took over the transactional.id
+    │   └── TransactionFailed          a fatal transactional error, or no recovery in time
+    ├── OutboxError                    the outbox file cannot be used
+    │   ├── OutboxCorrupt
+    │   ├── OutboxLocked
+    │   └── OutboxFull
+    ├── DeadLetterFailed               a poison record could not reach its dead-letter topic
+    ├── PartitionWriteFailed           a Spark write task failed; Spark retries it
+    ├── RetriesExhausted               a handler failed on its last attempt (poison)
+    ├── RetryInterrupted               a stop came while waiting to retry (unfinished, not poison)
+    ├── ProducerClosed                 send() after close()
+    ├── ClusterError                   the local test cluster could not be started or controlled
+    └── MissingExtra                   (also ModuleNotFoundError) an optional extra is not installed
+
+Classes only ever gain bases, never lose them: an `except` clause that caught an error still does.
 """
 
 from __future__ import annotations
 
 
 class ReliableKafkaError(Exception):
-    """Base class of every error raised by reliable_kafka."""
+    """Base class of every error raised by reliable_kafka.
+
+    `code` is the Kafka or librdkafka error name when Kafka gave one (e.g. "PRODUCER_FENCED"),
+    `topic` and `partition` the Kafka topic and partition the error is about; each is None when the
+    error has none.
+    """
+
+    code: str | None = None
+    topic: str | None = None
+    partition: int | None = None
+
+    def __init__(
+        self, *args: object, code: str | None = None, topic: str | None = None, partition: int | None = None
+    ) -> None:
+        super().__init__(*args)
+        self.code = code
+        self.topic = topic
+        self.partition = partition
 
 
-class ConfigError(ReliableKafkaError, ValueError):
+class InputRefused(ReliableKafkaError):
+    """reliable_kafka refused a setting, a topic or a value before writing anything: fix it and call again."""
+
+
+class Unavailable(ReliableKafkaError):
+    """Something the call needs (the brokers, a coordinator, the dedup store, room in the outbox) did not
+    answer or free up in time. Nothing was lost or half-done: the same call can succeed once it is back."""
+
+
+class RefusedByKafka(ReliableKafkaError):
+    """Kafka refused the work for good, or stopped this instance: the same call will not succeed again.
+    The message carries Kafka's reason (and `code` its error name, where Kafka gave one)."""
+
+
+class ConfigError(InputRefused, ValueError):
     """A setting would break a delivery guarantee, or is not valid. The message names the key."""
 
     def __init__(self, key: str, reason: str) -> None:
@@ -20,20 +82,20 @@ class ConfigError(ReliableKafkaError, ValueError):
         super().__init__(f"{key}: {reason}")
 
 
-class TopicConfigError(ReliableKafkaError):
+class TopicConfigError(InputRefused):
     """A topic's replication settings cannot keep the guarantee (preflight refused it)."""
 
     def __init__(self, topic: str, problems: list[str]) -> None:
-        self.topic = topic
         self.problems = problems
         super().__init__(
             f"topic {topic!r} cannot keep acks=all durable: "
             + "; ".join(problems)
-            + " (fix the topic, or pass preflight='warn' to proceed anyway)"
+            + " (fix the topic, or pass preflight='warn' to proceed anyway)",
+            topic=topic,
         )
 
 
-class ClusterUnreachable(ReliableKafkaError):
+class ClusterUnreachable(Unavailable):
     """No broker answered within the timeout."""
 
 
@@ -49,28 +111,30 @@ class OutboxLocked(OutboxError):
     """Another process owns this outbox file."""
 
 
-class OutboxFull(OutboxError):
+class OutboxFull(OutboxError, Unavailable):
     """The outbox reached its bound and stayed full for the whole send timeout; the message was not accepted."""
 
 
-class SerializationError(ReliableKafkaError, TypeError):
+class SerializationError(InputRefused, TypeError):
     """A key or value is not bytes and no serializer was given to turn it into bytes."""
 
 
-class DeliveryFailed(ReliableKafkaError):
+class DeliveryFailed(RefusedByKafka):
     """Kafka refused a message for good; it is kept in the outbox as failed, with the broker's reason."""
 
-    def __init__(self, message_id: str, reason: str) -> None:
+    def __init__(
+        self, message_id: str, reason: str, *, topic: str | None = None, partition: int | None = None
+    ) -> None:
         self.message_id = message_id
         self.reason = reason
-        super().__init__(f"message {message_id} was refused by Kafka: {reason}")
+        super().__init__(f"message {message_id} was refused by Kafka: {reason}", topic=topic, partition=partition)
 
 
 class ProducerClosed(ReliableKafkaError):
     """send() was called after close()."""
 
 
-class CommitFailed(ReliableKafkaError):
+class CommitFailed(Unavailable):
     """Offsets could not be committed after all retries; nothing past the last committed offset is lost."""
 
 
@@ -78,11 +142,11 @@ class DeadLetterFailed(ReliableKafkaError):
     """A poison record could not be written to its dead-letter topic; its offset is not committed."""
 
 
-class DedupStoreUnavailable(ReliableKafkaError):
+class DedupStoreUnavailable(Unavailable):
     """The dedup store cannot be reached; the consumer holds progress (fail-closed) until it is back."""
 
 
-class TransactionFenced(ReliableKafkaError):
+class TransactionFenced(RefusedByKafka):
     """Another instance with the same transactional.id took over; this instance stopped."""
 
 
@@ -90,7 +154,7 @@ class ClusterError(ReliableKafkaError):
     """The local test cluster could not be started, or a node could not be controlled."""
 
 
-class WriteRefused(ReliableKafkaError):
+class WriteRefused(InputRefused):
     """A Spark exactly-once write was refused because its input changed under the same write id."""
 
 
@@ -126,7 +190,7 @@ class RetryInterrupted(ReliableKafkaError):
         )
 
 
-class TransactionFailed(ReliableKafkaError):
+class TransactionFailed(RefusedByKafka):
     """The transactional producer hit a fatal error other than fencing, or could not recover in time.
 
     This instance stopped; its open transaction is aborted by the coordinator, and the records it
@@ -144,10 +208,26 @@ class PartitionWriteFailed(ReliableKafkaError):
     """
 
 
-class ReadIncomplete(ReliableKafkaError):
+class ReadIncomplete(Unavailable):
     """A Spark read task could not read its whole offset range, so it returned nothing at all.
 
     Either the range's end was not reached in time (leader unavailable, or a transaction stayed open
     below the end offset), or its start was already deleted by retention. Retry when the cluster is
     healthy, or choose offsets that still exist.
     """
+
+
+class MissingExtra(ReliableKafkaError, ModuleNotFoundError):
+    """A part was used without the optional extra that installs its dependencies; the message names it.
+
+    A ModuleNotFoundError too, so code that probes for an optional part with `except ImportError`
+    keeps working. `extra` is the extra's name; `name` is the missing module, as for any import error.
+    """
+
+    def __init__(self, extra: str, what: str, missing: str) -> None:
+        self.extra = extra
+        super().__init__(
+            f"{what} needs the {extra} extra (module {missing!r} is not installed): "
+            f"pip install 'reliable-kafka[{extra}]'"
+        )
+        self.name = missing

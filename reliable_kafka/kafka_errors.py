@@ -138,6 +138,16 @@ def code_of(error: KafkaError | KafkaException | int) -> int | None:
     return err
 
 
+def name_of(error: KafkaError | KafkaException | int) -> str | None:
+    """The Kafka or librdkafka error name (e.g. "PRODUCER_FENCED"), the `code` our errors carry; or None."""
+    err = _unwrap(error)
+    if isinstance(err, KafkaError):
+        return str(err.name())
+    if isinstance(err, int):
+        return str(KafkaError(err).name())
+    return None
+
+
 def describe(error: KafkaError | KafkaException | int) -> str:
     """A readable reason, as the broker or librdkafka gave it."""
     err = _unwrap(error)

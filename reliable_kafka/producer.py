@@ -23,7 +23,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from reliable_kafka import telemetry
 from reliable_kafka.admin import admin_client, describe_topic, preflight
-from reliable_kafka.config import producer_config
+from reliable_kafka.config import connection_settings, producer_config
 from reliable_kafka.errors import (
     ClusterUnreachable,
     ConfigError,
@@ -239,7 +239,7 @@ class ReliableProducer:
         """
         sent = self.send_many([Message(topic, value, key, headers, partition, message_id)])[0]
         if sent.error is not None:
-            raise DeliveryFailed(sent.message_id, sent.error)
+            raise DeliveryFailed(sent.message_id, sent.error, topic=topic, partition=partition)
         return sent
 
     def send_many(self, messages: Iterable[Message | tuple[str, Any]]) -> list[Sent]:
@@ -464,7 +464,7 @@ class ReliableProducer:
                 self._preflight(topic, deferred=True)
 
     def _admin(self) -> Any:
-        keep = {k: v for k, v in self._config.items() if k.startswith(("bootstrap.", "security.", "sasl.", "ssl."))}
+        keep = connection_settings(self._config)
         return admin_client(keep["bootstrap.servers"], keep)
 
     def _wait_for_room(self) -> None:

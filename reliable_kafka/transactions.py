@@ -32,6 +32,7 @@ from confluent_kafka import (
 )
 
 from reliable_kafka import kafka_errors, telemetry
+from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.config import consumer_config, transactional_producer_config
 from reliable_kafka.dlq import DEFAULT_DLQ_TEMPLATE, dead_letter_headers, dlq_topic_for
 from reliable_kafka.errors import (
@@ -655,24 +656,15 @@ class TransactionalProcessor:
                     produce(topic, value, key, partition, None, None, 0,
                             [(ID_HEADER, headers)] if headers.__class__ is str else list(headers))  # type: ignore[arg-type]
                 except BufferError:
-                    self._produce_when_room(out)
+                    # Bounded by message.timeout.ms: then queued records fail, which frees room, and
+                    # the commit aborts.
+                    produce_when_room(producer, topic, value, key, partition, None, None, 0, _out_headers(out))
             except KafkaException as exc:
                 self._output_refused(out, exc)
         self._txn_offsets.update(batch.offsets)
         self._txn_messages += batch.messages
         self._txn_outputs += len(batch.outputs)
         self._txn_dead += batch.dead
-
-    def _produce_when_room(self, out: _Out) -> None:
-        """The local queue is full: let librdkafka send, then try again. Bounded by message.timeout.ms,
-        after which queued records fail and the commit aborts."""
-        producer = self._producer
-        assert producer is not None
-        while True:
-            producer.poll(0.05)
-            with contextlib.suppress(BufferError):
-                producer.produce(out[0], out[1], out[2], out[3], headers=_out_headers(out))
-                return
 
     def _output_refused(self, out: _Out, exc: KafkaException) -> None:
         """produce() refused an output: abort; dead-letter the input if Kafka will never take the output."""
@@ -842,7 +834,8 @@ class TransactionalProcessor:
             self._broken = TransactionFailed(
                 f"transactional.id {self._transactional_id!r}: {self._failed_in_a_row} transactions in a row "
                 f"failed, the last with {exc}. Nothing past the last committed transaction was lost; check "
-                "that the output and dead-letter topics exist and the brokers are healthy, then restart"
+                "that the output and dead-letter topics exist and the brokers are healthy, then restart",
+                code=kafka_errors.name_of(exc.error),
             )
             raise self._broken from exc.error
         self._stopping.wait(min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (self._failed_in_a_row - 1)))
@@ -895,7 +888,8 @@ class TransactionalProcessor:
             self._broken = TransactionFailed(
                 f"transactional.id {self._transactional_id!r}: init_transactions did not succeed within "
                 f"{self._retry_deadline:.0f}s ({kafka_errors.describe(exc.error)}); is the transaction "
-                "coordinator reachable and __transaction_state healthy?"
+                "coordinator reachable and __transaction_state healthy?",
+                code=kafka_errors.name_of(exc.error),
             )
             raise self._broken from exc.error
         return producer
@@ -970,7 +964,8 @@ class TransactionalProcessor:
         except KafkaException as exc:
             self._broken = TransactionFailed(
                 "could not read the committed offsets to rewind after an abort "
-                f"({kafka_errors.describe(exc)}); stopping rather than skip or repeat records"
+                f"({kafka_errors.describe(exc)}); stopping rather than skip or repeat records",
+                code=kafka_errors.name_of(exc),
             )
             raise self._broken from exc
         for tp in committed:
@@ -996,13 +991,15 @@ class TransactionalProcessor:
             error = TransactionFenced(
                 f"transactional.id {self._transactional_id!r} was fenced during {exc.operation} ({reason}): "
                 "another instance with the same transactional.id or group.instance.id took over. This "
-                "instance stopped; its uncommitted work is aborted and redone by the new owner."
+                "instance stopped; its uncommitted work is aborted and redone by the new owner.",
+                code=kafka_errors.name_of(exc.error),
             )
         else:
             error = TransactionFailed(
                 f"transactional.id {self._transactional_id!r}: fatal error during {exc.operation} "
                 f"({reason}). This instance stopped; its uncommitted work is aborted and redone after a "
-                "restart."
+                "restart.",
+                code=kafka_errors.name_of(exc.error),
             )
         self._broken = error
         self._clear_txn()

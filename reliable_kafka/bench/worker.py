@@ -18,6 +18,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, Producer
 
+from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.bench.common import peak_rss_mb
 from reliable_kafka.ids import ID_HEADER, new_ids
 
@@ -43,12 +44,8 @@ def produce_raw(bootstrap: str, topic: str, n: int, with_ids: bool = False) -> f
         headers: list[tuple[str, str | bytes | None]] | None = (
             [(ID_HEADER, ids[i].encode())] if ids is not None else None
         )
-        while True:
-            try:
-                p.produce(topic, VALUE, on_delivery=on_delivery, headers=headers)
-                break
-            except BufferError:
-                p.poll(0.01)
+        # Keywords, as a plain confluent-kafka program writes it: this is the baseline.
+        produce_when_room(p, topic, VALUE, on_delivery=on_delivery, headers=headers, poll_s=0.01)
         p.poll(0)
     p.flush(300)
     took = time.perf_counter() - start

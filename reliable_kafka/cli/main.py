@@ -1,33 +1,34 @@
-"""Entry point of the `reliable-kafka` command: wires the sub-commands and logging."""
+"""Entry point of the `reliable-kafka` command: checks that the cli extra is installed, then runs it.
+
+Nothing here imports click or rich at module level, so a missing extra is one line on stderr and exit
+code 2 (a usage error, as click reports its own), never a traceback.
+"""
 
 from __future__ import annotations
 
-import logging
+import sys
+from typing import Any
 
-import click
+from reliable_kafka.errors import MissingExtra
+from reliable_kafka.extras import needs_extra
 
-from reliable_kafka.cli.bench import bench
-from reliable_kafka.cli.cluster import cluster_group
-from reliable_kafka.cli.doctor import doctor
-from reliable_kafka.cli.lab import lab
-from reliable_kafka.cli.outbox import outbox_group
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("-v", "--verbose", count=True, help="More log output (-v info, -vv debug).")
-@click.version_option(package_name="reliable-kafka")
-def cli(verbose: int) -> None:
-    """reliable-kafka: Kafka without lost or duplicated messages."""
-    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-cli.add_command(cluster_group)
-cli.add_command(lab)
-cli.add_command(doctor)
-cli.add_command(bench)
-cli.add_command(outbox_group)
+_WHAT = "reliable-kafka's command line"
 
 
 def main() -> None:
+    try:
+        with needs_extra("cli", _WHAT):
+            from reliable_kafka.cli.app import cli
+    except MissingExtra as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
     cli(prog_name="reliable-kafka")
+
+
+def __getattr__(name: str) -> Any:
+    # `from reliable_kafka.cli.main import cli` keeps working for tests and embedders (they have the extra).
+    if name == "cli":
+        from reliable_kafka.cli.app import cli
+
+        return cli
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

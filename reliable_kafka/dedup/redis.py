@@ -13,13 +13,15 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import redis
-from redis.backoff import NoBackoff
-from redis.client import Pipeline
-from redis.retry import Retry
-
 from reliable_kafka.dedup.base import ClaimResult, DedupStore, distinct_keys, lease_ms, retention_ms
 from reliable_kafka.errors import DedupStoreUnavailable
+from reliable_kafka.extras import needs_extra
+
+with needs_extra("redis", "RedisDedupStore"):
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.client import Pipeline
+    from redis.retry import Retry
 
 logger = logging.getLogger(__name__)
 

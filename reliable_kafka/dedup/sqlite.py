@@ -16,8 +16,6 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from sqlite_utils import Database
-
 from reliable_kafka.dedup.base import ClaimResult, DedupStore, distinct_keys, lease_ms, retention_ms
 from reliable_kafka.errors import DedupStoreUnavailable
 
@@ -137,6 +135,10 @@ class SQLiteDedupStore(DedupStore):
             )
         except sqlite3.Error as exc:
             raise self._unavailable("open the file", exc) from exc
+        # Imported here, not at module level: sqlite-utils pulls in click, and pandas/numpy when they are
+        # installed (~0.25 s), which `import reliable_kafka` must not pay for a store it may never open.
+        from sqlite_utils import Database
+
         try:
             db = Database(conn)
             db.enable_wal()

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 
-from reliable_kafka.config import consumer_config
+from reliable_kafka import kafka_errors
+from reliable_kafka.config import connection_settings, consumer_config
 from reliable_kafka.errors import CommitFailed, ConfigError, WriteRefused
 from reliable_kafka.retry import retry_kafka_call
-from reliable_kafka.spark.markers import Manifest, MarkerTopic, connection_settings, manifest_key
+from reliable_kafka.spark.markers import Manifest, MarkerTopic, manifest_key
 from reliable_kafka.spark.options import (
     AT_LEAST_ONCE,
     DEFAULT_MARKER_TOPIC,
@@ -139,13 +140,16 @@ class KafkaBatch:
                 lambda: consumer.commit(offsets=offsets, asynchronous=False), deadline_s=60.0, what="offset commit"
             )
         except Exception as exc:
-            raise CommitFailed(f"could not commit offsets of group {self.group_id!r}: {exc}") from exc
+            raise CommitFailed(f"could not commit offsets of group {self.group_id!r}: {exc}",
+                               code=kafka_errors.name_of(exc) if isinstance(exc, KafkaException) else None) from exc
         finally:
             consumer.close()
         failed = [tp for tp in result or () if tp.error is not None]
         if failed:
-            raise CommitFailed(f"group {self.group_id!r}: commit refused for {failed[0].topic}[{failed[0].partition}]: "
-                               f"{failed[0].error}")
+            tp, error = failed[0], failed[0].error
+            assert error is not None
+            raise CommitFailed(f"group {self.group_id!r}: commit refused for {tp.topic}[{tp.partition}]: {error}",
+                               code=kafka_errors.name_of(error), topic=tp.topic, partition=tp.partition)
         self.committed = True
         log.info("group %s committed %d partition(s)", self.group_id, len(offsets))
 

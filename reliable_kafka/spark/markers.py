@@ -27,25 +27,13 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic, OffsetSpec
 
 from reliable_kafka import kafka_errors
-from reliable_kafka.config import consumer_config, producer_config
+from reliable_kafka.config import connection_settings, consumer_config, producer_config
 from reliable_kafka.errors import PartitionWriteFailed, TopicConfigError
 from reliable_kafka.retry import retry_kafka_call
 
 log = logging.getLogger(__name__)
 
-# Settings that say how to reach and authenticate to the cluster; the rest of a writer's kafka.*
-# options are producer tuning that a marker reader must not be given.
-_CONNECTION_PREFIXES = (
-    "bootstrap.servers", "security.", "sasl.", "ssl.", "client.", "socket.", "broker.", "api.version",
-    "metadata.", "reconnect.", "connections.", "topic.metadata", "enable.ssl",
-)
-
 _VERSION = 1
-
-
-def connection_settings(kafka: Mapping[str, Any]) -> dict[str, Any]:
-    """Only the settings every client type understands: where the brokers are and how to log in."""
-    return {k: v for k, v in kafka.items() if k.startswith(_CONNECTION_PREFIXES)}
 
 
 def partition_key(write_id: str, partition: int) -> str:
@@ -213,7 +201,7 @@ class MarkerTopic:
             if t is not None and t.error is None and t.partitions and all(p.leader >= 0 for p in t.partitions.values()):
                 return
             time.sleep(0.2)
-        raise PartitionWriteFailed(f"marker topic {self.topic} has no leader for every partition yet")
+        raise PartitionWriteFailed(f"marker topic {self.topic} has no leader for every partition yet", topic=self.topic)
 
     def partitions(self) -> int:
         if self._partitions is None:
@@ -225,7 +213,8 @@ class MarkerTopic:
             if t is None or t.error is not None or not t.partitions:
                 raise PartitionWriteFailed(
                     f"marker topic {self.topic} is missing ({t.error if t is not None else 'no metadata'}); "
-                    "the driver creates it before the tasks run"
+                    "the driver creates it before the tasks run",
+                    topic=self.topic,
                 )
             self._partitions = len(t.partitions)
         return self._partitions
@@ -291,7 +280,9 @@ class MarkerTopic:
                 if time.monotonic() > deadline:
                     raise PartitionWriteFailed(
                         f"reading markers of {self.topic}[{partition}] stopped at offset {position} of {end} "
-                        f"after {self.timeout_s:.0f}s: a transaction below the end stayed open"
+                        f"after {self.timeout_s:.0f}s: a transaction below the end stayed open",
+                        topic=self.topic,
+                        partition=partition,
                     )
         finally:
             consumer.close()
@@ -309,5 +300,6 @@ class MarkerTopic:
         left = producer.flush(self.timeout_s)
         if left or errors:
             raise PartitionWriteFailed(
-                f"could not write {key!r} to {self.topic}: {errors[0] if errors else 'not acknowledged in time'}"
+                f"could not write {key!r} to {self.topic}: {errors[0] if errors else 'not acknowledged in time'}",
+                topic=self.topic,
             )

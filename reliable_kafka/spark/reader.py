@@ -31,11 +31,10 @@ from pyspark.sql.datasource import DataSourceReader, InputPartition
 from pyspark.sql.types import StructType
 
 from reliable_kafka import kafka_errors
-from reliable_kafka.config import consumer_config
+from reliable_kafka.config import connection_settings, consumer_config
 from reliable_kafka.errors import ConfigError, ReadIncomplete
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.retry import retry_kafka_call
-from reliable_kafka.spark.markers import connection_settings
 from reliable_kafka.spark.options import EARLIEST, LATEST, ReaderOptions
 
 log = logging.getLogger(__name__)
@@ -271,7 +270,9 @@ def read_range(options: ReaderOptions, r: OffsetRange) -> Iterator[pa.RecordBatc
                 raise ReadIncomplete(
                     f"{r.topic}[{r.partition}]: reached offset {position} of [{r.start}, {r.end}) in "
                     f"{options.read_timeout_s:.0f}s (readTimeoutSeconds); is the leader up, or is a "
-                    "transaction below the end offset still open?"
+                    "transaction below the end offset still open?",
+                    topic=r.topic,
+                    partition=r.partition,
                 )
         if len(columns):
             yield columns.batch(r)
@@ -294,12 +295,16 @@ def _raise_unless_transient(err: KafkaError, r: OffsetRange) -> None:
     if code in (KafkaError._AUTO_OFFSET_RESET, KafkaError.OFFSET_OUT_OF_RANGE):
         raise ReadIncomplete(
             f"{r.topic}[{r.partition}]: offset {r.start} is no longer in the log ({err.str()}): "
-            "retention deleted records this read was asked for"
+            "retention deleted records this read was asked for",
+            code=kafka_errors.name_of(err),
+            topic=r.topic,
+            partition=r.partition,
         )
     if kafka_errors.classify(err) in (kafka_errors.Disposition.RETRIABLE, kafka_errors.Disposition.COORDINATOR):
         log.warning("%s[%d]: %s; still reading", r.topic, r.partition, kafka_errors.describe(err))
         return
-    raise ReadIncomplete(f"{r.topic}[{r.partition}]: {kafka_errors.describe(err)}")
+    raise ReadIncomplete(f"{r.topic}[{r.partition}]: {kafka_errors.describe(err)}", code=kafka_errors.name_of(err),
+                         topic=r.topic, partition=r.partition)
 
 
 class KafkaReader(DataSourceReader):

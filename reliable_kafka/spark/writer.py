@@ -21,6 +21,7 @@ from pyspark.sql.datasource import DataSourceArrowWriter, WriterCommitMessage
 from pyspark.sql.types import ArrayType, BinaryType, IntegerType, StringType, StructType
 
 from reliable_kafka import kafka_errors, telemetry
+from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.errors import (
     ConfigError,
     PartitionWriteFailed,
@@ -142,7 +143,8 @@ class _Sender:
             if meta is None or meta.error is not None or not meta.partitions:
                 raise PartitionWriteFailed(
                     f"topic {topic!r} is not available ({meta.error if meta is not None else 'no metadata'}): "
-                    "create it before writing"
+                    "create it before writing",
+                    topic=topic,
                 )
             count = self._partition_counts[topic] = len(meta.partitions)
         return count
@@ -215,18 +217,10 @@ class _Sender:
             except BufferError:
                 self._wait_for_room(topic, value, key, part, hdr)
 
-    def _wait_for_room(self, *args: Any) -> None:
+    def _wait_for_room(self, topic: str, value: Any, key: Any, part: int, hdr: Any) -> None:
         # The local queue is full: serve delivery reports until there is room, for a bounded time.
-        topic, value, key, part, hdr = args
-        deadline = time.monotonic() + self.deadline_s
-        while time.monotonic() < deadline:
-            self.producer.poll(0.05)
-            try:
-                self.producer.produce(topic, value, key, part, headers=hdr)
-                return
-            except BufferError:
-                continue
-        raise PartitionWriteFailed(f"the producer queue stayed full for {self.deadline_s:.0f}s; is the cluster up?")
+        if not produce_when_room(self.producer, topic, value, key, part, None, None, 0, hdr, timeout_s=self.deadline_s):
+            raise PartitionWriteFailed(f"the producer queue stayed full for {self.deadline_s:.0f}s; is the cluster up?")
 
 
 def _is_fatal(exc: BaseException) -> bool:
@@ -291,7 +285,8 @@ def _write_at_least_once(
         producer.flush(0)
         if isinstance(exc, KafkaException):  # e.g. a fatal idempotence error: the producer is unusable
             raise PartitionWriteFailed(
-                f"writing partition {partition} of write {options.write_id!r} failed: {kafka_errors.describe(exc)}"
+                f"writing partition {partition} of write {options.write_id!r} failed: {kafka_errors.describe(exc)}",
+                code=kafka_errors.name_of(exc),
             ) from exc
         raise
     if hook == -1:

@@ -1,0 +1,34 @@
+"""Which optional extra installs which modules, and the error a part raises when its extra is missing.
+
+`import reliable_kafka` needs none of the extras; a part that does (the CLI, RedisDedupStore, the Spark
+connector) imports its modules on first use inside `needs_extra`, so a missing one is one clear line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from reliable_kafka.errors import MissingExtra
+
+# Top-level module names each extra of pyproject.toml installs (the ones a part imports at start).
+EXTRAS: dict[str, frozenset[str]] = {
+    "cli": frozenset({"click", "rich", "psutil", "matplotlib"}),
+    "redis": frozenset({"redis"}),
+    "spark": frozenset({"pyspark", "pyarrow", "pandas", "numpy"}),
+}
+
+
+@contextmanager
+def needs_extra(extra: str, what: str) -> Iterator[None]:
+    """Turn a ModuleNotFoundError for one of `extra`'s modules into MissingExtra naming the pip command.
+
+    Any other missing module passes unchanged: it is a broken install, not a missing extra.
+    """
+    try:
+        yield
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in EXTRAS[extra]:
+            raise
+        raise MissingExtra(extra, what, missing) from exc
