@@ -14,6 +14,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 
+from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.ids import message_id_of
 from reliable_kafka.lab.base import CONTROL, RELIABLE, ScenarioResult
 from reliable_kafka.testing.cluster import LocalKafkaCluster, consume_all
@@ -40,12 +41,7 @@ def bare_produce(bootstrap: str, topic: str, values: Sequence[bytes], *, rate: f
 
     p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, **conf})
     for i, v in enumerate(values):
-        while True:
-            try:
-                p.produce(topic, v, on_delivery=on_delivery)
-                break
-            except BufferError:
-                p.poll(0.05)
+        produce_when_room(p, topic, v, on_delivery=on_delivery)
         p.poll(0)
         if rate is not None and i % 100 == 99:
             ahead = (i + 1) / rate - (time.monotonic() - started)

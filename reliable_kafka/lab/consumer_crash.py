@@ -17,6 +17,7 @@ from pathlib import Path
 
 from confluent_kafka import Producer
 
+from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.lab.base import CONTROL, RELIABLE, Progress, Scenario, ScenarioResult
 from reliable_kafka.lab.common import ledger_entries, result_from, run_program, topic_name
 from reliable_kafka.lab.programs.status import GroupOffsets, MemberStatus
@@ -104,12 +105,7 @@ def _fill(bootstrap: str, topic: str, n: int, prefix: str = "v") -> list[bytes]:
     values = [f"{prefix}-{i}".encode() for i in range(n)]
     p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 10})
     for v, mid in zip(values, new_ids(n), strict=True):
-        while True:
-            try:
-                p.produce(topic, v, headers=[(ID_HEADER, mid.encode())])
-                break
-            except BufferError:
-                p.poll(0.05)
+        produce_when_room(p, topic, v, headers=[(ID_HEADER, mid.encode())])
     p.flush(60)
     return values
 

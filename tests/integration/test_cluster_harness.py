@@ -8,6 +8,7 @@ import time
 import pytest
 from confluent_kafka import Producer
 
+from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
 from reliable_kafka.testing.faults import isolated_leader, until_it_bites
 from reliable_kafka.testing.verify import Verdict, verdict
@@ -27,12 +28,7 @@ def _produce(bootstrap: str, topic: str, values: list[bytes], **conf: object) ->
 
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, **conf})
     for v in values:
-        while True:
-            try:
-                producer.produce(topic, v, on_delivery=on_delivery)
-                break
-            except BufferError:
-                producer.poll(0.05)
+        produce_when_room(producer, topic, v, on_delivery=on_delivery)
         producer.poll(0)
     remaining = producer.flush(60)
     assert remaining == 0, f"{remaining} messages still undelivered after 60 s"

@@ -17,6 +17,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
+from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.consumer import DeadLetterPolicy, ReliableConsumer
 from reliable_kafka.dedup import SQLiteDedupStore
 from reliable_kafka.dlq import parse_dead_letter_headers
@@ -40,12 +41,7 @@ def fill(bootstrap: str, topic: str, n: int, prefix: str = "m") -> list[str]:
     values = [f"{prefix}-{i}" for i in range(n)]
     p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 10})
     for v in values:
-        while True:
-            try:
-                p.produce(topic, v.encode(), key=v.encode())
-                break
-            except BufferError:
-                p.poll(0.05)
+        produce_when_room(p, topic, v.encode(), key=v.encode())
     assert p.flush(60) == 0
     return values
 

@@ -26,6 +26,7 @@ import pytest
 import redis
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
+from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.consumer import ReliableConsumer
 from reliable_kafka.dedup import RedisDedupStore, SQLiteDedupStore
 from reliable_kafka.errors import DedupStoreUnavailable
@@ -53,12 +54,7 @@ def produce(bootstrap: str, topic: str, records: Sequence[tuple[str, str]]) -> N
     """Write (payload, rk-id) records with a bare producer: the input of the test, not under test."""
     p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 5})
     for value, message_id in records:
-        while True:
-            try:
-                p.produce(topic, value.encode(), headers=[(ID_HEADER, message_id.encode())])
-                break
-            except BufferError:
-                p.poll(0.05)
+        produce_when_room(p, topic, value.encode(), headers=[(ID_HEADER, message_id.encode())])
     assert p.flush(60) == 0
 
 
