@@ -24,7 +24,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from reliable_kafka import telemetry
 from reliable_kafka.config import consumer_config
 from reliable_kafka.dedup.base import DedupStore
-from reliable_kafka.dlq import dead_letter_headers, dlq_topic_for
+from reliable_kafka.dlq import DeadLetterPolicy, dead_letter_headers, dlq_topic_for
 from reliable_kafka.errors import (
     CommitFailed,
     ConfigError,
@@ -47,16 +47,7 @@ BatchHandler = Callable[[list[Message]], Any]
 KeyFunction = Callable[[Message], "str | None"]
 
 _NO_RETRY = RetryPolicy(attempts=1)
-
-
-@dataclass(frozen=True)
-class DeadLetterPolicy:
-    """Where poison records go. `template` may use {topic}; `timeout_s` bounds one DLQ write."""
-
-    template: str = "{topic}.dlq"
-    producer_config: Mapping[str, Any] | None = None
-    timeout_s: float = 30.0
-    retry_every_s: float = 5.0
+_DEAD_LETTER_TOPIC = DeadLetterPolicy()  # the default: "{topic}.dlq"
 
 
 @dataclass
@@ -84,7 +75,7 @@ class ReliableConsumer:
         topics: Sequence[str],
         *,
         retry: RetryPolicy | None = None,
-        dead_letter: DeadLetterPolicy | None = DeadLetterPolicy(),
+        dead_letter: DeadLetterPolicy | None = _DEAD_LETTER_TOPIC,
         concurrency: int = 1,
         max_in_flight: int = 2_000,
         max_batch: int = 500,
