@@ -1,0 +1,14 @@
+"""The reliable consumer: a thin front class (front.py) composing a fetcher, a commit coordinator, a
+rebalance handler, failure stages (retry, dead letter), a dedup stage and a processing strategy.
+
+Guarantee: an offset is committed only when it and every earlier offset of its partition were processed.
+"""
+
+from reliable_kafka.consumer.commits import CommitPolicy
+from reliable_kafka.consumer.dedup_stage import DedupPolicy, KeyFunction
+from reliable_kafka.consumer.fetcher import BatchHandler, Handler
+from reliable_kafka.consumer.front import ReliableConsumer
+from reliable_kafka.dlq import DeadLetterPolicy
+
+__all__ = ["BatchHandler", "CommitPolicy", "DeadLetterPolicy", "DedupPolicy", "Handler", "KeyFunction",
+           "ReliableConsumer"]
