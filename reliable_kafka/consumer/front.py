@@ -229,16 +229,16 @@ def _migrate(commit: CommitPolicy | None, dedup: DedupPolicy | DedupStore | None
     old_commit = {_OLD_COMMIT[k]: v for k, v in old.items() if k in _OLD_COMMIT}
     if old_commit:
         if commit is not None:
-            raise ConfigError("commit", f"pass CommitPolicy(...) or {_args(_OLD_COMMIT, old)}, not both")
-        _warn(_args(_OLD_COMMIT, old), f"commit=CommitPolicy({_args(old_commit, old_commit, '...')})")
+            raise ConfigError("commit", f"pass CommitPolicy(...) or {_args(_OLD_COMMIT, old, '...')}, not both")
+        _warn(_args(_OLD_COMMIT, old, "..."), f"commit=CommitPolicy({_args(old_commit, old_commit, '...')})")
         commit = CommitPolicy(**old_commit)
     old_dedup = {_OLD_DEDUP[k]: v for k, v in old.items() if k in _OLD_DEDUP}
     bare_store = dedup is not None and not isinstance(dedup, DedupPolicy)
     if isinstance(dedup, DedupPolicy) and old_dedup:
-        raise ConfigError("dedup", f"pass DedupPolicy(...) or {_args(_OLD_DEDUP, old)}, not both")
+        raise ConfigError("dedup", f"pass DedupPolicy(...) or {_args(_OLD_DEDUP, old, '...')}, not both")
     if bare_store or old_dedup:
-        what = ("dedup=, " if bare_store else "") + _args(_OLD_DEDUP, old)
-        _warn(what.rstrip(", "), f"dedup=DedupPolicy({', '.join(['store', *(f'{k}=...' for k in old_dedup)])})")
+        what = ", ".join(["dedup=store"] * bare_store + ([_args(_OLD_DEDUP, old, "...")] if old_dedup else []))
+        _warn(what, f"dedup=DedupPolicy({', '.join(['store', *(f'{k}=...' for k in old_dedup)])})")
         if bare_store:
             dedup = DedupPolicy(dedup, **old_dedup)  # type: ignore[arg-type]
     if isinstance(dedup, DedupPolicy):
@@ -246,7 +246,7 @@ def _migrate(commit: CommitPolicy | None, dedup: DedupPolicy | DedupStore | None
     return commit or CommitPolicy(), None, old_dedup.get("key") or rk_id_of
 
 
-def _args(table: Mapping[str, Any], given: Mapping[str, Any], value: str = "") -> str:
+def _args(table: Mapping[str, Any], given: Mapping[str, Any], value: str) -> str:
     """The arguments of `table` that were `given`, as "name=value, ..." in the caller's order."""
     return ", ".join(f"{k}={value}" for k in given if k in table)
 

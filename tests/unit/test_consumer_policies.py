@@ -73,21 +73,23 @@ def test_the_flat_commit_arguments_warn_and_name_the_replacement(old: dict[str, 
 
 
 def test_a_bare_store_and_the_flat_dedup_arguments_warn_and_still_dedup(store: SQLiteDedupStore) -> None:
-    with pytest.warns(DeprecationWarning, match=_escaped("dedup=DedupPolicy(store, lease_s=..., key=...)")):
+    with pytest.warns(DeprecationWarning, match=_escaped("ReliableConsumer(dedup=store, dedup_lease_s=..., dedup_key=...) "
+                                                         "is deprecated and will be removed in the next release: "
+                                                         "pass dedup=DedupPolicy(store, lease_s=..., key=...) instead")):
         c = consumer(dedup=store, dedup_lease_s=5, dedup_key=lambda m: "mine")
     assert c.dedup_key_of(_record(b"rk-1")) == "mine"
 
 
 def test_a_key_function_without_a_store_still_sets_dedup_key_of() -> None:
-    with pytest.warns(DeprecationWarning, match="dedup_key="):
+    with pytest.warns(DeprecationWarning, match=_escaped("ReliableConsumer(dedup_key=...)")):
         c = consumer(dedup_key=lambda m: "mine")
     assert c.dedup_key_of(_record(b"rk-1")) == "mine"
 
 
 def test_a_policy_and_its_flat_arguments_together_are_refused(store: SQLiteDedupStore) -> None:
-    with pytest.raises(ConfigError, match=r"commit: pass CommitPolicy\(...\) or commit_every=, not both"):
+    with pytest.raises(ConfigError, match=_escaped("commit: pass CommitPolicy(...) or commit_every=..., not both")):
         consumer(commit=CommitPolicy(), commit_every=10)
-    with pytest.raises(ConfigError, match=r"dedup: pass DedupPolicy\(...\) or dedup_fail_open=, not both"):
+    with pytest.raises(ConfigError, match=_escaped("dedup: pass DedupPolicy(...) or dedup_fail_open=..., not both")):
         consumer(dedup=DedupPolicy(store), dedup_fail_open=True)
 
 
