@@ -1,5 +1,4 @@
-"""The reliable consumer: a thin front class (front.py) composing a fetcher, a commit coordinator, a
-rebalance handler, failure stages (retry, dead letter), a dedup stage and a processing strategy.
+"""The reliable consumer: ReliableConsumer (front.py) and the parts it composes, one job per module.
 
 Guarantee: an offset is committed only when it and every earlier offset of its partition were processed.
 """

@@ -129,7 +129,6 @@ class FastStrategy(RecordStrategy):
             self._counters.add("handled", failed_at)
         self._run_each(msgs[failed_at:], first_error)
 
-    # The general path calls the same bare first attempts; handle() runs held records through it too.
     def _run_each(self, msgs: list[Message], first_error: BaseException | None = None) -> None:
         """Each record's first attempt runs bare and the completions reach the tracker in bulk, per
         partition, reusing the grouping Fetcher.track() made; a record that fails goes on through the

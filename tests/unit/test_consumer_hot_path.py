@@ -5,7 +5,6 @@ fetch would hand them over; a stand-in client records commits and is never polle
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,37 +12,13 @@ from typing import Any
 import pytest
 from confluent_kafka import Message
 
-from reliable_kafka import CommitPolicy, ConfigError, ReliableConsumer, RetryPolicy
+from reliable_kafka import CommitPolicy, ConfigError, ReliableConsumer
 from reliable_kafka.consumer.commits import CommitCoordinator
 from reliable_kafka.consumer.counters import Counters
-from reliable_kafka.consumer.failures import DeadLetters, FailureStages
-from reliable_kafka.consumer.fetcher import Fetcher
-from reliable_kafka.consumer.rebalance import RebalanceHandler
 from reliable_kafka.consumer.strategies import FastStrategy
+from tests.fixtures.consumer_parts import Clock, NoBroker, T, batch, parts
 
-T = "orders"
 NOWHERE = {"bootstrap.servers": "127.0.0.1:9", "group.id": "hot-path"}  # never contacted
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class NoBroker:
-    """Stands in for confluent_kafka.Consumer: nothing is fetched, commits are recorded."""
-
-    def __init__(self) -> None:
-        self.commits: list[dict[tuple[str, int], int]] = []
-
-    def commit(self, offsets: list[Any], asynchronous: bool) -> None:
-        self.commits.append({(tp.topic, tp.partition): tp.offset for tp in offsets})
-
-    def consume(self, n: int, timeout: float) -> list[Message]:
-        return []
 
 
 @dataclass
@@ -58,27 +33,19 @@ class HotPath:
 
 def hot_path(topics: tuple[str, ...] = (T,), commit: CommitPolicy | None = None,
              handler: Callable[[Message], Any] | None = None) -> HotPath:
-    """The parts a single-thread run() without dedup or tracing uses, wired as ReliableConsumer wires them."""
-    client, counters, clock = NoBroker(), Counters(), Clock()
-    commits = CommitCoordinator(client, commit or CommitPolicy(), counters, group="hot-path", clock=clock)  # type: ignore[arg-type]
-    rebalance = RebalanceHandler(client, commits, revoke_timeout_s=1)  # type: ignore[arg-type]
-    fetcher = Fetcher(client, commits.tracker, rebalance, None, max_batch=500, max_in_flight=2_000)  # type: ignore[arg-type]
-    failures = FailureStages(RetryPolicy(attempts=1), DeadLetters(None, {}), commits, None, counters,
-                             threading.Event(), tracing=False, group="hot-path")
+    """The strategy a single-thread run() without dedup or tracing uses, on parts wired as ReliableConsumer
+    wires them."""
+    p = parts(commit)
     handled: list[tuple[int, int]] = []
     record = handler or (lambda m: handled.append((m.partition(), m.offset())))
     single_topic = topics[0] if len(topics) == 1 else None
-    fast = FastStrategy(record, fetcher, failures, commits, counters, single_topic)
-    return HotPath(fast, commits, counters, clock, client, handled)
+    fast = FastStrategy(record, p.fetcher, p.failures, p.commits, p.counters, single_topic)
+    return HotPath(fast, p.commits, p.counters, p.clock, p.client, handled)
 
 
 @pytest.fixture
 def hp() -> Iterator[HotPath]:
     yield hot_path()
-
-
-def batch(*records: tuple[int, int], topic: str = T) -> list[Message]:
-    return [Message(topic=topic, partition=p, offset=o, value=f"{p}:{o}".encode()) for p, o in records]
 
 
 def test_a_batch_of_one_partition_is_committable_through_its_last_record(hp: HotPath) -> None:
