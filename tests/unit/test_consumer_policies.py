@@ -73,9 +73,9 @@ def test_the_flat_commit_arguments_warn_and_name_the_replacement(old: dict[str, 
 
 
 def test_a_bare_store_and_the_flat_dedup_arguments_warn_and_still_dedup(store: SQLiteDedupStore) -> None:
-    with pytest.warns(DeprecationWarning, match=_escaped("ReliableConsumer(dedup=store, dedup_lease_s=..., dedup_key=...) "
-                                                         "is deprecated and will be removed in the next release: "
-                                                         "pass dedup=DedupPolicy(store, lease_s=..., key=...) instead")):
+    expected = ("ReliableConsumer(dedup=store, dedup_lease_s=..., dedup_key=...) is deprecated and will be "
+                "removed in the next release: pass dedup=DedupPolicy(store, lease_s=..., key=...) instead")
+    with pytest.warns(DeprecationWarning, match=_escaped(expected)):
         c = consumer(dedup=store, dedup_lease_s=5, dedup_key=lambda m: "mine")
     assert c.dedup_key_of(_record(b"rk-1")) == "mine"
 
