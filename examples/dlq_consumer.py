@@ -39,7 +39,7 @@ from typing import Any
 from confluent_kafka import Message
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from reliable_kafka import DeadLetterPolicy, ReliableConsumer, RetryPolicy
+from reliable_kafka import DeadLetterPolicy, DedupPolicy, ReliableConsumer, RetryPolicy
 from reliable_kafka.dedup import RedisDedupStore  # needs the `redis` extra
 
 log = logging.getLogger("dlq_consumer")
@@ -116,7 +116,7 @@ def main() -> int:
         retry=RetryPolicy(attempts=3, initial_backoff_s=0.2, max_backoff_s=2.0, give_up_on=(InvalidOrder,)),
         dead_letter=DeadLetterPolicy(template=dlq_template),
         concurrency=args.concurrency,
-        dedup=dedup,  # keyed by the rk-id header unless dedup_key= says otherwise
+        dedup=DedupPolicy(dedup),  # keyed by the rk-id header unless DedupPolicy(key=...) says otherwise
     )
     # stop() only sets a flag, so it is safe in a signal handler; run() then drains and commits.
     signal.signal(signal.SIGTERM, lambda *_: consumer.stop())

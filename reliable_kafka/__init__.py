@@ -5,7 +5,7 @@ The public API is what this module exports; everything else is internal.
 
 from typing import TYPE_CHECKING
 
-from reliable_kafka.consumer import DeadLetterPolicy, ReliableConsumer
+from reliable_kafka.consumer import CommitPolicy, DeadLetterPolicy, DedupPolicy, ReliableConsumer
 from reliable_kafka.dedup import ClaimResult, DedupStore, SQLiteDedupStore
 from reliable_kafka.errors import (
     ClusterError,
@@ -57,7 +57,9 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "ClaimResult",
+    "CommitPolicy",
     "DeadLetterPolicy",
+    "DedupPolicy",
     "DedupStore",
     "Durability",
     "Message",

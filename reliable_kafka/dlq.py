@@ -1,4 +1,4 @@
-"""Dead-letter records: the topic a poison record is parked on, and headers saying where it came from and why.
+"""Dead-letter records: where a poison record is parked (DeadLetterPolicy) and headers saying why.
 
 Guarantee: the original headers (rk-id included) come first and unchanged, followed by one complete block
 of rk-dlq-* headers (origin, error, attempts); the last block always describes the latest failure.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from reliable_kafka.errors import ConfigError
 from reliable_kafka.ids import (
@@ -34,6 +35,17 @@ _LEGAL_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")  # the broker's own rule for
 # The shapes confluent-kafka uses: Message.headers() gives them, Producer.produce(headers=...) takes them.
 HeaderValue = str | bytes | None
 Headers = list[tuple[str, HeaderValue]]
+
+
+@dataclass(frozen=True)
+class DeadLetterPolicy:
+    """Where poison records go. `template` may use {topic}; `timeout_s` bounds one DLQ write, and a write
+    that failed is tried again every `retry_every_s` while its partition waits."""
+
+    template: str = DEFAULT_DLQ_TEMPLATE
+    producer_config: Mapping[str, Any] | None = None
+    timeout_s: float = 30.0
+    retry_every_s: float = 5.0
 
 
 def dlq_topic_for(topic: str, template: str = DEFAULT_DLQ_TEMPLATE) -> str:

@@ -113,7 +113,7 @@ def consume_raw(bootstrap: str, topic: str, n: int, fetch_like_ours: bool = True
 
 
 def consume_reliable(bootstrap: str, topic: str, n: int, dedup: str | None, redis_url: str | None) -> float:
-    from reliable_kafka.consumer import ReliableConsumer
+    from reliable_kafka.consumer import DedupPolicy, ReliableConsumer
 
     store: Any = None
     tmp = tempfile.TemporaryDirectory()
@@ -127,7 +127,7 @@ def consume_reliable(bootstrap: str, topic: str, n: int, dedup: str | None, redi
         assert redis_url, "the redis variant needs --redis-url"
         store = RedisDedupStore(redis_url, prefix=f"bench:{time.time_ns()}:")
     consumer = ReliableConsumer({"bootstrap.servers": bootstrap, "group.id": f"bench-rk-{time.time_ns()}"},
-                                [topic], dedup=store)
+                                [topic], dedup=DedupPolicy(store) if store is not None else None)
     handler = _Counting(n, consumer.stop)
     consumer.run(handler)
     took = time.perf_counter() - handler.first

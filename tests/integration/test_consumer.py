@@ -319,8 +319,9 @@ def test_records_fetched_while_the_backlog_is_full_are_held_not_dropped(kafka, m
             handled.append(msg.value().decode())
 
     consumer = ReliableConsumer(conf, [topic], concurrency=2, max_batch=10, max_in_flight=10, commit_interval_s=0.1)
-    late = _LatePause(consumer._consumer, misses=1)  # the partition then counts as paused but fetches on
-    consumer._consumer = late  # type: ignore[assignment]
+    # The rebalance handler owns pausing: the partition then counts as paused but fetches on.
+    late = _LatePause(consumer._rebalance.client, misses=1)
+    consumer._rebalance.client = late  # type: ignore[assignment]
     _run_until(consumer, handler, lambda: len(set(handled)) >= len(values), timeout=30)
     time.sleep(0.5)
     consumer.close()

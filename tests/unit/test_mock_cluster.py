@@ -352,7 +352,7 @@ def test_a_failed_asynchronous_commit_is_retried_synchronously(cluster: MockClus
     committed, and the next commit goes through the synchronous path (classifier, retries)."""
     from confluent_kafka import Consumer, TopicPartition
 
-    from reliable_kafka.consumer import ReliableConsumer
+    from reliable_kafka.consumer import CommitPolicy, ReliableConsumer
 
     topic = new_topic(cluster)
     producer = StatsProducer(cluster)
@@ -361,7 +361,7 @@ def test_a_failed_asynchronous_commit_is_retried_synchronously(cluster: MockClus
     assert producer.producer.flush(10) == 0
     group = f"g-{uuid.uuid4().hex[:8]}"
     consumer = ReliableConsumer({"bootstrap.servers": cluster.bootstrap_servers, "group.id": group}, [topic],
-                                commit_interval_s=0.05, max_batch=10, max_in_flight=10, dead_letter=None)
+                                commit=CommitPolicy(interval_s=0.05), max_batch=10, max_in_flight=10, dead_letter=None)
     handled: set[bytes] = set()
     deliveries = 0
 

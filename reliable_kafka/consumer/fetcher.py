@@ -1,0 +1,129 @@
+"""Fetch loop: takes records from the client, tracks them as in flight, applies backpressure, holds records back.
+
+Guarantee: a record is tracked before it can be passed by a commit, and a held record is never dropped:
+it runs later, or is forgotten with its partition (revoked or lost) and redelivered to the new owner.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message
+
+from reliable_kafka.kafka_errors import describe
+from reliable_kafka.offsets import OffsetTracker
+
+if TYPE_CHECKING:
+    from reliable_kafka.consumer.dedup_stage import DedupStage
+    from reliable_kafka.consumer.rebalance import RebalanceHandler
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Message], Any]
+BatchHandler = Callable[[list[Message]], Any]
+
+
+@dataclass
+class Work:
+    """A tracked record on its way through the stages."""
+
+    msg: Message
+    epoch: int  # its partition's epoch when it was tracked: a completion after a rebalance is stale
+    key: str | None  # dedup key claimed for this record, if dedup is on
+
+
+class Strategy(Protocol):
+    """How records are run (strategies.py); the fetch loop only hands batches over."""
+
+    def handle_fetched(self, msgs: list[Message]) -> None: ...
+
+    def handle(self, works: list[Work]) -> None: ...
+
+
+class Fetcher:
+    """Fetches batches for the loop (`step()`) and for the explicit API (`fetch()`)."""
+
+    def __init__(self, client: Consumer, tracker: OffsetTracker, rebalance: RebalanceHandler,
+                 dedup: DedupStage | None, *, max_batch: int, max_in_flight: int) -> None:
+        self._client = client
+        self._tracker = tracker
+        self._rebalance = rebalance
+        self._dedup = dedup
+        self._max_batch = max_batch
+        self._max_in_flight = max_in_flight
+        self._held: list[Work] = []  # tracked records that may not run yet (backlog full, dedup store down)
+        # The last tracked batch, grouped: offsets per partition and each partition's epoch.
+        self.fetched: dict[tuple[str, int], list[int]] = {}
+        self.epochs: dict[tuple[str, int], int] = {}
+
+    def step(self, strategy: Strategy) -> None:
+        """One pass: run the held records, or fetch a batch, or wait paused while the backlog is full."""
+        if self._held:
+            held, self._held = self._held, []
+            strategy.handle(held)
+        elif self._tracker.in_flight() < self._max_in_flight:
+            if self._dedup is None or self._dedup.store_up:
+                self._rebalance.resume_ours()
+            strategy.handle_fetched(self._client.consume(self._max_batch, 0.1))
+        else:
+            # The backlog is full: pause fetching but keep serving the group, so it does not think we
+            # died (max.poll.interval.ms) while handlers catch up. A partition assigned meanwhile is not
+            # paused yet and may hand over records: they are tracked and held, never dropped (a dropped
+            # record would let a later commit pass it).
+            self.hold_paused(0.05)
+
+    def fetch(self, n: int, timeout: float) -> list[Message]:
+        return self.track(self._client.consume(n, timeout))
+
+    def track(self, msgs: list[Message]) -> list[Message]:
+        """Track a fetched batch's records as in flight; returns those that are records, not errors."""
+        # One pass groups the offsets per partition for one tracker call each (the hot path). A fetch
+        # hands over runs of one partition, so the group is looked up once per run, not per record.
+        by_tp: dict[tuple[str, int], list[int]] = {}
+        offsets: list[int] = []
+        run_topic, run_partition = None, None
+        errors = False
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                errors = True
+                if err.code() == KafkaError._PARTITION_EOF:
+                    continue
+                if err.fatal():
+                    raise KafkaException(err)
+                log.warning("consumer error: %s", describe(err))
+                continue
+            topic, partition = msg.topic(), msg.partition()
+            if partition != run_partition or topic != run_topic:
+                run_topic, run_partition = topic, partition
+                offsets = by_tp.setdefault((topic, partition), [])  # type: ignore[arg-type]
+            offsets.append(msg.offset())  # type: ignore[arg-type]
+        self.epochs = {tp: self._tracker.track_many(tp[0], tp[1], offs) for tp, offs in by_tp.items()}
+        self.fetched = by_tp
+        return [m for m in msgs if m.error() is None] if errors else msgs
+
+    def work(self, msg: Message) -> Work:
+        """A record of the last tracked batch, as Work."""
+        return Work(msg, self.epochs[(msg.topic(), msg.partition())], None)  # type: ignore[index]
+
+    def hold(self, works: list[Work], timeout: float) -> None:
+        """Hold `works` back for the next pass, waiting `timeout` seconds paused first."""
+        self._held.extend(works)
+        self.hold_paused(timeout)
+
+    def hold_paused(self, timeout: float) -> None:
+        """Wait `timeout` seconds with every partition paused, still serving the group (rebalances).
+
+        consume(), not poll(): a record that arrives anyway (from a partition assigned meanwhile) is
+        tracked and held with the rest, never handed past the offset tracker.
+        """
+        self._rebalance.pause_all()
+        fetched = self.fetch(self._max_batch, timeout)  # may run forget(), which replaces _held
+        self._held.extend(self.work(m) for m in fetched)
+
+    def forget(self, partitions: set[tuple[str, int]]) -> None:
+        """Released partitions: their held records go (the new owner gets them from the last commit)."""
+        self._held = [w for w in self._held if (w.msg.topic(), w.msg.partition()) not in partitions]

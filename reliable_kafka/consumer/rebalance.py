@@ -1,0 +1,105 @@
+"""Rebalance handler: what the consumer does when partitions are assigned, revoked or lost; owns our pauses.
+
+Guarantee: a revoked partition's processed offsets are committed before it is released, a lost one's staged
+offsets are dropped (redelivered, never skipped), and no partition stays paused across a rebalance.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from reliable_kafka.consumer.commits import CommitCoordinator, Partitions
+from reliable_kafka.errors import ReliableKafkaError
+
+log = logging.getLogger(__name__)
+
+
+class PartitionState(Protocol):
+    """A part that keeps records per partition, dropped when the partition is released."""
+
+    def forget(self, partitions: Partitions) -> None: ...
+
+
+def _idle(timeout: float, partitions: Partitions | None) -> bool:
+    return True  # nothing runs off the loop thread until a strategy with workers says otherwise
+
+
+class RebalanceHandler:
+    """librdkafka's on_assign / on_revoke / on_lost callbacks, and the partitions we paused.
+
+    `wait_idle(timeout, partitions)` is how a revoke waits for records still running on workers: the
+    processing strategy sets it when run() starts. `also_forget()` names the parts whose per-partition
+    records go with a released partition, besides the commit coordinator's staged offsets.
+    """
+
+    def __init__(self, client: Consumer, commits: CommitCoordinator, *, revoke_timeout_s: float) -> None:
+        self.client = client
+        self._commits = commits
+        self._revoke_timeout_s = revoke_timeout_s
+        self._paused_by_us: Partitions = set()
+        self._states: list[PartitionState] = []
+        self.wait_idle: Callable[[float, Partitions | None], bool] = _idle
+
+    def also_forget(self, *states: PartitionState) -> None:
+        self._states.extend(states)
+
+    def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        for tp in partitions:
+            self._commits.reset(tp.topic, tp.partition)
+            self._paused_by_us.discard((tp.topic, tp.partition))
+        # librdkafka keeps a partition's pause across a rebalance: one we paused (backlog full), lost
+        # and were given back would stay paused for ever, its records never fetched. Resuming a
+        # partition that is not paused changes nothing.
+        self._resume((tp.topic, tp.partition) for tp in partitions)
+        log.info("assigned %s", [(tp.topic, tp.partition) for tp in partitions])
+
+    def on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        revoked = {(tp.topic, tp.partition) for tp in partitions}
+        # Finish what is in flight for these partitions and commit it before the new owner starts.
+        if not self.wait_idle(self._revoke_timeout_s, revoked):
+            log.warning("records of revoked partitions still running after %.0fs; they will be redelivered",
+                        self._revoke_timeout_s)
+        try:
+            self._commits.commit(list(revoked))
+        except ReliableKafkaError as exc:
+            log.error("commit on revoke failed (records will be redelivered, not lost): %s", exc)
+        self._forget(revoked)
+        log.info("revoked %s", sorted(revoked))
+
+    def on_lost(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        lost = {(tp.topic, tp.partition) for tp in partitions}
+        log.warning("partitions lost %s: staged offsets dropped, records will be redelivered", sorted(lost))
+        self._forget(lost)
+
+    def _forget(self, partitions: Partitions) -> None:
+        # Resumed before they go (see on_assign): paused, they would stay paused if they came back.
+        self._resume(sorted(partitions & self._paused_by_us))
+        self._commits.forget(partitions)
+        for state in self._states:
+            state.forget(partitions)
+        self._paused_by_us -= partitions
+
+    def pause_all(self) -> None:
+        assigned = self.client.assignment()
+        fresh = [tp for tp in assigned if (tp.topic, tp.partition) not in self._paused_by_us]
+        if fresh:
+            self.client.pause(fresh)
+            self._paused_by_us |= {(tp.topic, tp.partition) for tp in fresh}
+
+    def resume_ours(self) -> None:
+        """Resume what pause_all() paused (the loop calls it when nothing is held back any more)."""
+        if self._paused_by_us:
+            self.client.resume([TopicPartition(t, p) for t, p in self._paused_by_us])
+            self._paused_by_us.clear()
+
+    def _resume(self, partitions: Iterable[tuple[str, int]]) -> None:
+        tps = [TopicPartition(t, p) for t, p in partitions]
+        if tps:
+            try:
+                self.client.resume(tps)
+            except KafkaException as exc:
+                log.debug("resume of %s: %s", [(tp.topic, tp.partition) for tp in tps], exc)

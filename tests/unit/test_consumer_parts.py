@@ -1,0 +1,91 @@
+"""The consumer's parts through their own seams: the dedup-claimed strategy, the worker strategy's counts,
+and the rebalance handler forgetting what each part keeps for a released partition. No broker.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from confluent_kafka import Message, TopicPartition
+
+from reliable_kafka import DedupPolicy, SQLiteDedupStore
+from reliable_kafka.consumer.strategies import choose
+from tests.fixtures.consumer_parts import Parts, T, batch, parts
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SQLiteDedupStore]:
+    s = SQLiteDedupStore(tmp_path / "dedup.db")
+    yield s
+    s.close()
+
+
+def strategy(p: Parts, handler, *, concurrency: int = 1):  # type: ignore[no-untyped-def]
+    return choose(handler, batch=False, concurrency=concurrency, tracing=False, dedup=p.dedup, single_topic=T,
+                  fetcher=p.fetcher, failures=p.failures, commits=p.commits, counters=p.counters)
+
+
+def test_the_claimed_path_skips_confirmed_keys_and_commits_only_after_confirming(store: SQLiteDedupStore) -> None:
+    store.claim(["id-0-11"], 60)
+    store.confirm(["id-0-11"])  # handled by an earlier run
+    p = parts(dedup=DedupPolicy(store))
+    handled: list[int] = []
+    s = strategy(p, lambda m: handled.append(m.offset()))
+    s.handle_fetched(batch((0, 10), (0, 11), (0, 12), ids=True))
+    assert handled == [10, 12]
+    assert p.counters.get("duplicates_skipped") == 1
+    assert p.commits.committable() == {}  # 10 and 12 ran, but their keys are not confirmed yet
+    assert p.commits.commit() == {(T, 0): 13}  # the commit confirms them first
+    assert store.claim(["id-0-10", "id-0-12"], 60).done == {"id-0-10", "id-0-12"}
+
+
+def test_workers_lose_no_count_and_commit_every_partition_through_its_end() -> None:
+    p = parts()
+    s = strategy(p, lambda m: None, concurrency=4)
+    try:
+        for start in range(0, 4_000, 500):
+            s.handle_fetched(batch(*((part, o) for o in range(start, start + 500) for part in range(8))))
+        assert s.wait_idle(10)
+    finally:
+        s.close(10)
+    assert p.counters.get("handled") == 32_000
+    assert p.commits.committable() == {(T, part): 4_000 for part in range(8)}
+
+
+def test_a_revoke_commits_the_revoked_partitions_processed_offsets_before_releasing_them() -> None:
+    p = parts()
+    strategy(p, lambda m: None).handle_fetched(batch((0, 5), (0, 6), (1, 9)))
+    p.rebalance.on_revoke(None, [TopicPartition(T, 0)])  # type: ignore[arg-type]
+    assert p.client.commits == [{(T, 0): 7}]
+    assert p.commits.committable() == {(T, 1): 10}  # partition 1 stays ours, uncommitted
+
+
+def test_a_lost_partition_is_forgotten_by_every_part_that_kept_something_of_it() -> None:
+    def handler(m: Message) -> None:
+        if m.offset() == 1:
+            raise ValueError("poison")  # no DLQ: the record is held as stuck
+
+    p = parts()
+    strategy(p, handler).handle_fetched(batch((0, 0), (0, 1), (0, 2), (1, 0)))
+    assert p.dead_letters.stuck_count() == 1 and p.commits.committable() == {(T, 0): 1, (T, 1): 1}
+    p.fetcher.hold([p.fetcher.work(m) for m in p.fetcher.track(batch((0, 3), (1, 1)))], 0)
+    p.rebalance.on_lost(None, [TopicPartition(T, 0)])  # type: ignore[arg-type]
+    assert p.dead_letters.stuck_count() == 0
+    assert p.commits.committable() == {(T, 1): 1}  # partition 0's staged offset is dropped, not committed
+    assert p.client.commits == []
+    handled: list[tuple[int, int]] = []
+    p.fetcher.step(strategy(p, lambda m: handled.append((m.partition(), m.offset()))))
+    assert handled == [(1, 1)]  # of the held records, only partition 1's are left
+
+
+def test_counters_take_increments_from_many_threads() -> None:
+    p = parts()
+    threads = [threading.Thread(target=lambda: [p.counters.add("handled") for _ in range(10_000)]) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert p.counters.snapshot() == {"handled": 80_000}
