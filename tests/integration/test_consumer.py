@@ -258,20 +258,20 @@ def test_a_partition_paused_before_a_rebalance_is_fetched_again_when_it_comes_ba
         # _hold_paused() is what run() does while the backlog is full: pause everything, serve the group.
         deadline = time.monotonic() + 60
         while len(first.assignment) < 2 and time.monotonic() < deadline:
-            first._hold_paused(0.2)
-        first._hold_paused(0.2)  # both partitions now paused by us
+            first._fetcher.hold_paused(0.2)
+        first._fetcher.hold_paused(0.2)  # both partitions now paused by us
         assert len(first.assignment) == 2
         second = ReliableConsumer(conf, [topic])
         deadline = time.monotonic() + 60
         while not second.assignment and time.monotonic() < deadline:
             second.poll(0.2)  # records it gets are never acked: they stay uncommitted
-            first._hold_paused(0.2)
+            first._fetcher.hold_paused(0.2)
         assert second.assignment, "the second member never got a partition"
         second.close()
         second = None
         deadline = time.monotonic() + 60
         while len(first.assignment) < 2 and time.monotonic() < deadline:
-            first._hold_paused(0.2)
+            first._fetcher.hold_paused(0.2)
         assert len(first.assignment) == 2, "the first member did not get both partitions back"
         handled: set[str] = set()
 
