@@ -255,7 +255,7 @@ def test_a_partition_paused_before_a_rebalance_is_fetched_again_when_it_comes_ba
     first = ReliableConsumer(conf, [topic])
     second = None
     try:
-        # _hold_paused() is what run() does while the backlog is full: pause everything, serve the group.
+        # hold_paused() is what run() does while the backlog is full: pause everything, serve the group.
         deadline = time.monotonic() + 60
         while len(first.assignment) < 2 and time.monotonic() < deadline:
             first._fetcher.hold_paused(0.2)
