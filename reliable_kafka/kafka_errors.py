@@ -125,6 +125,24 @@ def is_fenced(error: KafkaError | KafkaException | int) -> bool:
     return code_of(error) in _FENCED_CODES
 
 
+# The broker holds a newer epoch for this producer id than the request carried (INVALID_PRODUCER_EPOCH).
+# Since KIP-588 a takeover by a newer instance is answered PRODUCER_FENCED by the transaction
+# coordinator; the old-epoch answer also comes when nobody else took over: the coordinator bumped the
+# epoch itself (a transaction it timed out) or a coordinator that just moved holds a newer producer state
+# (seen on TxnOffsetCommit right after a broker was SIGKILLed). librdkafka reports both as _FENCED and
+# keeps only the broker's text, so that text is what tells them apart.
+_OLD_EPOCH_TEXT = KafkaError(KafkaError.INVALID_PRODUCER_EPOCH).str()
+
+
+def epoch_bumped(error: KafkaError | KafkaException | int) -> bool:
+    """True for an old-epoch refusal that does not say a newer instance took over (see _OLD_EPOCH_TEXT)."""
+    err = _unwrap(error)
+    code = code_of(error)
+    if code == KafkaError.INVALID_PRODUCER_EPOCH:
+        return True
+    return code == KafkaError._FENCED and isinstance(err, KafkaError) and _OLD_EPOCH_TEXT in err.str()
+
+
 def outcome_unknown(error: KafkaError | KafkaException | int) -> bool:
     """True when the failed request may still have been applied (timeout, connection lost mid-request)."""
     return code_of(error) in _OUTCOME_UNKNOWN_CODES

@@ -181,6 +181,12 @@ def next_step(operation: str, error: KafkaError | KafkaException) -> TxnStep:
         # here only as _FATAL; the abort that follows reports its real reason (e.g. fenced).
         return TxnStep.ABORT
     disposition = kafka_errors.classify(error)
+    if kafka_errors.epoch_bumped(error):
+        # The epoch moved on without a newer instance saying so (a takeover answers PRODUCER_FENCED):
+        # a new producer takes the current epoch, settles the old transaction and the instance goes on,
+        # as Kafka Streams does. The processor stops instead if its consumer no longer owns partitions
+        # (a zombie), and the failures-in-a-row limit bounds a fence that keeps coming back.
+        return TxnStep.RECREATE
     if operation == "abort_transaction" and disposition is Disposition.FATAL and not kafka_errors.is_fenced(error):
         # Seen under load: an abort right after an output was refused answered INVALID_TXN_STATE,
         # fatal to this producer only. Nothing newer owns the transactional.id, so a new producer's
@@ -820,7 +826,7 @@ class TransactionalProcessor:
         not spin unseen: each failure in a row waits a little longer, and after _MAX_FAILED_IN_A_ROW the
         instance stops with TransactionFailed. Nothing past the last committed transaction is lost.
         """
-        if exc.step is TxnStep.STOP:
+        if self._must_stop(exc):
             raise self._stop_with(exc) from exc.error
         if self._overdue():
             self._abandon(str(exc))  # no time left to recreate a producer or to retry
@@ -840,6 +846,20 @@ class TransactionalProcessor:
             raise self._broken from exc.error
         self._stopping.wait(min(_BACKOFF_MAX_S, _BACKOFF_FIRST_S * 2 ** (self._failed_in_a_row - 1)))
 
+    def _must_stop(self, exc: _TxnError) -> bool:
+        # An old epoch while owning no partitions is a zombie's fence: a new producer would fence the
+        # instance that owns the work now.
+        return exc.step is TxnStep.STOP or (kafka_errors.epoch_bumped(exc.error) and not self._owns_partitions())
+
+    def _owns_partitions(self) -> bool:
+        consumer = self._consumer
+        if consumer is None:
+            return False
+        try:
+            return bool(consumer.assignment())
+        except (KafkaException, RuntimeError):  # RuntimeError: the consumer is already closed
+            return False
+
     def _abort(self, reason: str) -> None:
         """Abort the open (or just failed) transaction and rewind the consumer to its committed offsets."""
         producer = self._producer
@@ -850,7 +870,7 @@ class TransactionalProcessor:
         try:
             self._call("abort_transaction", lambda: producer.abort_transaction(self._timeout()))
         except _TxnError as exc:
-            if exc.step is TxnStep.STOP:
+            if self._must_stop(exc):
                 raise self._stop_with(exc) from exc.error
             if self._overdue():
                 # No time to start a fresh producer: the coordinator settles the transaction instead.

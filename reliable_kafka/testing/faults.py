@@ -319,7 +319,10 @@ class _ProducerChild:
         self._proc = self.launch()
 
     def accepted(self) -> list[int]:
-        return [int(x) for x in self._ledger.read_text().split()]
+        # Only whole lines: a SIGKILL can land inside the child's ledger write and leave a torn last
+        # line ("1209" of "12091"), which is not a record of anything.
+        text = self._ledger.read_text()
+        return [int(x) for x in text[: text.rfind("\n") + 1].split()]
 
     def undelivered(self) -> int:
         try:
@@ -330,9 +333,21 @@ class _ProducerChild:
     def launch(self) -> subprocess.Popen[Any]:
         """Start a run from the first index its ledger does not hold."""
         self._status.unlink(missing_ok=True)  # a fresh run says nothing until its first batch
+        self._drop_torn_line()
         done = self.accepted()
         self._proc = self._start(max(done) + 1 if done else 0)
         return self._proc
+
+    def _drop_torn_line(self) -> None:
+        """Cut a torn last line left by a kill mid-write, so the next run's lines do not glue onto it.
+
+        Without this "12091" + "12092\n" read as index 1209112092 and the next run started past the end.
+        The torn entry's message was accepted or not; the next run re-sends from the last whole line.
+        """
+        data = self._ledger.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(self._ledger, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
 
     def ready_to_kill(self, target: int) -> bool:
         return (self._proc.poll() is None and self._ledger.read_bytes().count(b"\n") >= target

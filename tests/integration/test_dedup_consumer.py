@@ -36,6 +36,7 @@ from reliable_kafka.lab.programs.dedup_consumer_proc import EFFECTS_HASH, EFFECT
 from reliable_kafka.lab.programs.status import GroupOffsets
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
+from reliable_kafka.testing.faults import sigkill_producer_mid_stream
 from reliable_kafka.testing.gates import fire_when
 from reliable_kafka.testing.redis_server import RedisServer
 from tests.fixtures.members import MemberLogs
@@ -224,43 +225,22 @@ def _produce_with_kills(kafka: LocalKafkaCluster, topic: str, workdir: Path, tot
                         rng: random.Random, log_path: Path) -> tuple[set[str], int]:
     """The outbox producer, SIGKILLed `kills` times mid-stream and restarted after its ledger each time.
 
-    Each kill fires once the producer has accepted a random 1,000 to 2,500 more messages in its life
-    (2 kills take at most 5,000 of the 8,000), never a fixed time after its start."""
-    ledger = workdir / "producer.ledger"
-    ledger.touch()
-    done = 0
-    deadline = time.monotonic() + 150
-    while time.monotonic() < deadline:
-        accepted = [int(x) for x in ledger.read_text().split()]
-        start = max(accepted) + 1 if accepted else 0
-        with log_path.open("ab") as out:
-            child = subprocess.Popen(PRODUCER + ["--mode", "reliable", "--bootstrap", kafka.bootstrap_servers,
-                                                 "--topic", topic, "--outbox", str(workdir / "outbox.db"),
-                                                 "--start", str(start), "--end", str(total), "--ledger",
-                                                 str(ledger)], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        if done < kills:
-            wanted = len(accepted) + rng.randint(1_000, 2_500)
+    Each kill fires once the producer has accepted a random 1,000 to 2,500 more messages and holds some
+    undelivered (2 kills take at most 5,000 of the 8,000), never a fixed time after its start."""
+    ledger, status = workdir / "producer.ledger", workdir / "producer.status"
 
-            def mid_stream(child: subprocess.Popen[bytes] = child, wanted: int = wanted, life: int = done + 1) -> bool:
-                if child.poll() is not None:
-                    raise AssertionError(f"the producer exited ({child.returncode}) before kill {life}")
-                return ledger.read_bytes().count(b"\n") >= wanted
+    def start(first: int) -> subprocess.Popen[bytes]:
+        with log_path.open("ab") as out:  # appended across restarts
+            return subprocess.Popen(PRODUCER + ["--mode", "reliable", "--bootstrap", kafka.bootstrap_servers,
+                                                "--topic", topic, "--outbox", str(workdir / "outbox.db"),
+                                                "--start", str(first), "--end", str(total), "--ledger",
+                                                str(ledger), "--status", str(status)],
+                                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
-            def kill(child: subprocess.Popen[bytes] = child) -> None:
-                child.kill()  # SIGKILL, only our own child
-                child.wait()
-
-            try:
-                fire_when(mid_stream, kill, what=f"producer kill {done + 1}/{kills}", timeout_s=60)
-            finally:
-                if child.poll() is None:
-                    child.kill()
-                    child.wait()
-            done += 1
-            continue
-        assert child.wait(timeout=120) == 0
-        break
-    return {f"v-{int(x)}" for x in ledger.read_text().split()}, done
+    crashes = sigkill_producer_mid_stream(start, ledger, status, kills=kills, between=(1_000, 2_500), rng=rng,
+                                          what="outbox producer")
+    assert crashes.exit_code == 0, f"the producer's last run did not finish cleanly (exit {crashes.exit_code})"
+    return {f"v-{i}" for i in crashes.accepted}, crashes.kills
 
 
 def _consume_with_kills(command: list[str], status_file: Path, offsets: GroupOffsets, log_path: Path, kills: int,

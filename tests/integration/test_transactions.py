@@ -220,14 +220,12 @@ def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing
                 lag = [0]  # the group's lag seen just before the kill
 
                 def mid_copy(since: int = commits(), lag: list[int] = lag) -> bool:
-                    # The copy went on since the cluster was last whole (a commit since) and has input
-                    # left: the bounce hits a copy at work. Not also aimed at an open transaction: bounces
-                    # aimed there can end a copier as fenced (old producer epoch on TxnOffsetCommit after
-                    # a coordinator move) - a product gap in docs/testing.md's flake register, open.
+                    # The copy went on since the cluster was last whole (a commit since), has input left,
+                    # and the output holds records of an open transaction: the bounce hits a copy at work.
                     if commits() <= since:
                         return False
                     lag[0] = group_lag(bs, group, source.topic)
-                    return lag[0] > 0
+                    return lag[0] > 0 and uncommitted_records(bs, output) > 0
 
                 fire_when(mid_copy, partial(kafka.kill, node), what=f"SIGKILL of broker {node}",
                           rearm=feeder.top_up_now, attempts=3, timeout_s=60)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
+from reliable_kafka import kafka_errors
 from reliable_kafka.config import transactional_producer_config
 from reliable_kafka.errors import ConfigError, TransactionFailed, TransactionFenced
 from reliable_kafka.testing.mock import MockCluster
@@ -323,3 +324,32 @@ def _reader(mock: MockCluster, topic: str) -> list[Message]:
     consumer.close()
     return out
 
+
+
+def test_an_old_epoch_without_a_takeover_recreates_the_producer_and_goes_on(mock: MockCluster) -> None:
+    """INVALID_PRODUCER_EPOCH on TxnOffsetCommit (seen after a coordinator's broker was SIGKILLed, with no
+    other instance alive): librdkafka reports _FENCED, but no newer producer said so; a new producer goes on."""
+    copy = Copy(mock)
+    copy.feed()
+    mock.push_request_errors("TxnOffsetCommit", [KafkaError.INVALID_PRODUCER_EPOCH])
+    copy.start()
+    copy.wait(lambda: copy.stats.producer_recreations >= 1, "the producer to be recreated")
+    copy.wait_committed(N)
+    stats = copy.finish()
+    assert copy.error is None, repr(copy.error)
+    assert stats.producer_recreations == 1 and stats.transactions_aborted >= 1, stats
+
+
+@pytest.mark.parametrize(
+    ("error", "bumped"),
+    [
+        (KafkaError(KafkaError._FENCED, KafkaError(KafkaError.INVALID_PRODUCER_EPOCH).str(), fatal=True), True),
+        (KafkaError(KafkaError.INVALID_PRODUCER_EPOCH), True),
+        (KafkaError(KafkaError._FENCED, KafkaError(KafkaError.PRODUCER_FENCED).str(), fatal=True), False),
+        (KafkaError(KafkaError.PRODUCER_FENCED), False),
+    ],
+)
+def test_an_old_epoch_is_told_from_a_takeover(error: KafkaError, bumped: bool) -> None:
+    assert kafka_errors.epoch_bumped(KafkaException(error)) is bumped
+    step = next_step("send_offsets_to_transaction", KafkaException(error))
+    assert step is (TxnStep.RECREATE if bumped else TxnStep.STOP)
