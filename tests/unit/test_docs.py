@@ -117,7 +117,7 @@ def test_the_docs_site_builds_with_strict_checks(tmp_path: Path) -> None:
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent)) or shutil.which("mkdocs")
     assert mkdocs, "mkdocs is part of the dev extra; install it with ./dev setup"
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([mkdocs, "build", "--strict", "-q", "-d", str(tmp_path / "site")], cwd=root,
+    proc = subprocess.run([mkdocs, "build", "--strict", "-d", str(tmp_path / "site")], cwd=root,
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (tmp_path / "site" / "guarantees" / "index.html").exists()
