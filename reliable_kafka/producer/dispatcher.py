@@ -279,8 +279,8 @@ class Dispatcher:
         telemetry.messages_failed.add(1)
         log.error("message seq %d refused by Kafka for good (%s); kept in the outbox as failed", seq, reason)
         if self._on_failed is not None:
-            row = self._spool.get(seq)
-            if row is not None:
+            row = self._spool.get(seq)  # by its seq: never a scan of every failed row
+            if row is not None and row.state == "failed":
                 self._on_failed(row)
 
     def _apply_reports(self) -> None:
