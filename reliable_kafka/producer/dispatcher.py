@@ -1,0 +1,361 @@
+"""Hands spooled messages to librdkafka in seq order and turns its delivery reports into spool updates.
+
+A message leaves the spool only on a delivery report of success; a retriable failure sends it again,
+a permanent one marks it failed, and a fatal idempotence error rebuilds the producer and re-sends the spool.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from reliable_kafka import telemetry
+from reliable_kafka.ids import ID_HEADER
+from reliable_kafka.kafka_errors import Disposition, classify, describe
+from reliable_kafka.producer.topic_guard import TopicGuard
+from reliable_kafka.spool import NewMessage, OutboxRow, Spool
+
+log = logging.getLogger(__name__)
+_rdkafka_log = logging.getLogger("reliable_kafka.rdkafka")
+
+_T = TypeVar("_T")
+
+# How many outbox rows the dispatcher reads per page when it re-sends a backlog.
+_DISPATCH_PAGE = 2_000
+# accept() waits for room in librdkafka only while deliveries keep coming; after this long without
+# one (brokers away) it stops waiting and the spool takes the messages on its own.
+_STALL_S = 2.0
+
+
+class Dispatcher:
+    """Owns the librdkafka producer and its poller thread.
+
+    Order: seqs are handed over in the order they were appended (one lock covers append and hand-over);
+    a row that cannot go now (older ones wait, librdkafka is full) is handed over by the poller later.
+    Delivery reports only record what happened; everything slow (spool writes, the topic guard's
+    admin requests after a size refusal) runs on the poller thread after poll() returns.
+    """
+
+    def __init__(self, config: Mapping[str, Any], spool: Spool, guard: TopicGuard, *, max_in_flight: int,
+                 send_timeout: float, on_failed: Callable[[OutboxRow], None] | None) -> None:
+        self._config = dict(config)
+        self._spool = spool
+        self._guard = guard
+        self._limits = guard.limits  # read per message below: the dict itself, not a call
+        self._max_in_flight = max_in_flight
+        self._send_timeout = send_timeout
+        self._on_failed = on_failed
+        # Order of sends is the order of seqs; this lock keeps append + hand-over to librdkafka in that order.
+        self._send_lock = threading.RLock()
+        self._dispatched_upto = 0  # every pending seq <= this was handed to librdkafka (this generation)
+        self._last_seq = 0
+        self._redeliver: deque[int] = deque()  # seqs whose delivery failed retriably: hand over again
+        self._generation = 0
+        self._fatal: KafkaError | None = None
+        self._delivered: list[int] = []  # filled by delivery callbacks on the poller thread
+        self._size_refused: list[tuple[int, str, str]] = []  # (seq, topic, reason): for the guard, off the callback
+        self._settled = threading.Condition()
+        self._stop = threading.Event()
+        self._last_progress = time.monotonic()  # when a delivery was last confirmed (or the start)
+        self.counts = {"sent": 0, "delivered": 0, "failed": 0, "retried": 0, "recreated": 0}
+        self._producer = self._new_producer()
+        # One bound method for every callback: a partial over it holds only (seq, generation, topic),
+        # a tuple of atoms the garbage collector stops tracking, so each in-flight message costs it
+        # one object (the partial) instead of two.
+        self._report = self._on_delivery
+        self._poller = threading.Thread(target=self._poll_loop, name="reliable-kafka-producer", daemon=True)
+
+    def start(self) -> int:
+        """Start the poller; returns how many messages an earlier run left pending (they go out first)."""
+        left = 0
+        if self._spool.pending(limit=1):
+            left = self._spool.stats().pending
+            self._last_seq = self._max_pending_seq()
+        self._poller.start()
+        return left
+
+    def stop(self) -> int:
+        """Stop the poller after its final reports; returns how many messages are still pending.
+
+        What librdkafka still holds is let go (the spool keeps it); a newer generation makes the
+        purge reports no-ops.
+        """
+        self._stop.set()
+        self._poller.join(timeout=10)
+        self._apply_reports()
+        remaining = self._spool.stats().pending
+        if remaining:
+            self._generation += 1
+            self._producer.purge(in_queue=True, in_flight=True)
+            self._producer.poll(0)
+        return remaining
+
+    @property
+    def in_flight(self) -> int:
+        """Messages librdkafka holds now (queued, on the wire, or with a report not yet served)."""
+        return len(self._producer)
+
+    def wait_until(self, probe: Callable[[], _T], done: Callable[[_T], bool], timeout: float | None,
+                   tick: float) -> _T:
+        """Run `probe` after each poll round until `done` says so, the poller stops, or `timeout`;
+        returns its last answer."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._settled:
+            while True:
+                value = probe()
+                if done(value) or self._stop.is_set():
+                    return value
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return value
+                self._settled.wait(tick if left is None else min(tick, left))
+
+    # ---- handing messages to librdkafka ---------------------------------------------------
+
+    def accept(self, rows: Sequence[NewMessage], errors: dict[int, str]) -> list[int]:
+        """Append `rows` to the spool and hand them to librdkafka unless older ones wait; returns their seqs.
+
+        Fills `errors` (seq -> reason) for rows Kafka refused at once (they are kept as failed). The
+        caller passes the dict, and the hand-over is inline rather than a method of its own: this is
+        send's hot path, and a batch costs no call or object beyond what it needs.
+        """
+        if len(self._producer) >= self._max_in_flight:
+            self._wait_for_room()
+        with self._send_lock:
+            seqs = self._spool.append(rows, timeout=self._send_timeout)
+            self._last_seq = seqs[-1]
+            # Hand over now only when no older row waits (order first) and librdkafka has room;
+            # otherwise the poller hands them over from the spool, after the older ones.
+            if (self._dispatched_upto == seqs[0] - 1 and not self._redeliver and self._fatal is None
+                    and len(self._producer) < self._max_in_flight):
+                # The common case inline (no per-message method call: this loop is most of send's cost);
+                # anything unusual, and every exception, takes the general path of _produce().
+                produce, partial, report = self._producer.produce, functools.partial, self._report
+                generation, limits, upto = self._generation, self._limits, self._dispatched_upto
+                try:
+                    for row, seq in zip(rows, seqs, strict=True):
+                        message_id, topic, value, key, headers, partition = row
+                        limit = limits.get(topic)
+                        if partition is None and not headers and (limit is None or (
+                                len(value) if value else 0) + (len(key) if key else 0) + 4096 <= limit):
+                            try:
+                                # Positional (see _produce): a keyword argument costs ~1 µs per call.
+                                produce(topic, value, key, -1, partial(report, seq, generation, topic), None, 0,
+                                        [(ID_HEADER, message_id.encode())])
+                                upto = seq
+                                continue
+                            except (BufferError, KafkaException):
+                                pass  # _produce() below says what it means
+                        outcome = self._produce(row, seq)
+                        if outcome is False:
+                            break  # librdkafka's queue is full: the poller goes on from here
+                        if outcome is not True:
+                            errors[seq] = outcome
+                        upto = seq
+                finally:
+                    self._dispatched_upto = upto
+        self.counts["sent"] += len(rows)
+        telemetry.messages_sent.add(len(rows))
+        return seqs
+
+    def _wait_for_room(self) -> None:
+        """Backpressure: while the brokers confirm deliveries, wait until librdkafka holds fewer than
+        max_in_flight messages. Without it a fast application runs hundreds of thousands of messages
+        ahead of the brokers, and every one of them costs memory in librdkafka. While nothing is
+        confirmed (brokers away) it does not wait: the spool keeps accepting up to its bound."""
+        with self._settled:
+            while (len(self._producer) >= self._max_in_flight and not self._stop.is_set()
+                   and self._fatal is None and time.monotonic() - self._last_progress < _STALL_S):
+                self._settled.wait(0.05)
+
+    def _produce(self, row: NewMessage | OutboxRow, seq: int) -> bool | str:
+        """True when librdkafka took it, False when its queue is full, a reason when refused for good."""
+        topic, value, key = row.topic, row.value, row.key
+        limit = self._limits.get(topic)
+        if limit is not None and len(value or b"") + len(key or b"") + 4096 > limit:
+            oversized = self._guard.too_large(topic, value, key, row.headers)
+            if oversized is not None:
+                self._fail(seq, oversized)
+                return oversized
+        headers: list[tuple[str, str | bytes | None]] = [(ID_HEADER, row.message_id.encode()), *row.headers]
+        callback = functools.partial(self._report, seq, self._generation, topic)
+        try:
+            # produce(topic, value, key, partition, callback, on_delivery, timestamp, headers), all
+            # positional: confluent-kafka parses keyword arguments at ~1 µs each, as much as the rest
+            # of the call (-1: librdkafka's partitioner picks; 0: the current time).
+            self._producer.produce(topic, value, key, -1 if row.partition is None else row.partition, callback,
+                                   None, 0, headers)
+            return True
+        except BufferError:
+            return False
+        except KafkaException as exc:
+            disposition = classify(exc)
+            reason = describe(exc)
+            if disposition is Disposition.PERMANENT:
+                self._fail(seq, reason)
+                return reason
+            if disposition is Disposition.FATAL:
+                self._fatal = exc.args[0]
+                return False
+            log.warning("produce of seq %d refused for now (%s); it will be retried", seq, reason)
+            self._redeliver.append(seq)
+            return True
+
+    def _dispatch_backlog(self) -> None:
+        """Poller: hand over spooled rows librdkafka has not got yet, in seq order."""
+        if not self._redeliver and self._dispatched_upto >= self._last_seq:
+            # Nothing waits (read without the lock: a send in progress is dispatching its own rows, and
+            # anything it leaves behind is seen next round). Taking the lock here made every poll round
+            # wait for the send in progress, and with it the delivery reports.
+            return
+        with self._send_lock:
+            # Only the seqs queued before this round: a retriable refusal re-queues at the back.
+            for _ in range(len(self._redeliver)):
+                seq = self._redeliver[0]
+                r = self._spool.get(seq)
+                if r is not None and r.state == "pending" and self._produce(r, seq) is False:
+                    return
+                self._redeliver.popleft()
+            while self._dispatched_upto < self._last_seq:
+                if len(self._producer) >= self._max_in_flight:
+                    return  # the rest waits in the spool: librdkafka's copies cost memory
+                rows = self._spool.pending(after_seq=self._dispatched_upto, limit=_DISPATCH_PAGE)
+                if not rows:
+                    self._dispatched_upto = self._last_seq
+                    return
+                for r in rows:
+                    if self._produce(r, r.seq) is False:
+                        return
+                    self._dispatched_upto = r.seq
+
+    # ---- delivery reports and the poller thread -------------------------------------------
+
+    def _on_delivery(self, seq: int, generation: int, topic: str, err: KafkaError | None, _msg: Any) -> None:
+        if err is None:
+            # A success is real whatever producer instance reported it.
+            self._delivered.append(seq)
+            return
+        if generation != self._generation:
+            return  # purged from a replaced producer: the whole spool is being re-sent anyway
+        if err.code() == KafkaError.MSG_SIZE_TOO_LARGE:
+            # Is the record itself too large, or a batch neighbour of one? Asking the cluster is
+            # admin I/O: not inside a callback of poll(), the guard answers after poll() returns.
+            self._size_refused.append((seq, topic, describe(err)))
+            return
+        disposition = classify(err)
+        if disposition is Disposition.PERMANENT:
+            self._fail(seq, describe(err))
+        elif disposition is Disposition.FATAL:
+            self._fatal = err
+        else:
+            # Unknown outcome (e.g. _MSG_TIMED_OUT): send again; the rk-id makes a duplicate recognisable.
+            self._retry(seq, describe(err))
+
+    def _settle_size_refusals(self) -> None:
+        refused, self._size_refused = self._size_refused, []
+        alone = self._guard.oversized([(topic, self._spool.get(seq)) for seq, topic, _ in refused])
+        for (seq, _topic, reason), too_large in zip(refused, alone, strict=True):
+            if too_large:
+                self._fail(seq, reason)
+            else:
+                self._retry(seq, reason)  # it fits alone: it shared a batch with an oversized record
+
+    def _retry(self, seq: int, reason: str) -> None:
+        self.counts["retried"] += 1
+        telemetry.retries.add(1)
+        self._spool.record_attempt([seq], reason)
+        self._redeliver.append(seq)
+
+    def _fail(self, seq: int, reason: str) -> None:
+        self._spool.mark_failed(seq, reason)
+        self.counts["failed"] += 1
+        telemetry.messages_failed.add(1)
+        log.error("message seq %d refused by Kafka for good (%s); kept in the outbox as failed", seq, reason)
+        if self._on_failed is not None:
+            row = self._spool.get(seq)  # by its seq: never a scan of every failed row
+            if row is not None and row.state == "failed":
+                self._on_failed(row)
+
+    def _apply_reports(self) -> None:
+        if self._delivered:
+            done, self._delivered = self._delivered, []
+            self._last_progress = time.monotonic()
+            self._spool.mark_delivered(done)
+            self.counts["delivered"] += len(done)
+            telemetry.messages_delivered.add(len(done))
+            with self._settled:
+                self._settled.notify_all()
+        if self._size_refused:
+            self._settle_size_refusals()
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._producer.poll(0.05)
+                self._apply_reports()
+                if not len(self._producer):
+                    self._last_progress = time.monotonic()  # nothing in flight is not a stall
+                if self._fatal is not None:
+                    self._recreate()
+                self._dispatch_backlog()
+                self._guard.retry_deferred()
+                with self._settled:
+                    self._settled.notify_all()
+            except Exception:  # the poller must outlive any one bad round, or nothing gets confirmed
+                log.exception("producer poll round failed; continuing")
+                time.sleep(0.5)
+        # Final reports: everything librdkafka has confirmed by now is removed from the spool.
+        self._producer.poll(0)
+        self._apply_reports()
+
+    def _recreate(self) -> None:
+        """Rebuild the librdkafka producer after a fatal error and re-send the spool in order (L5)."""
+        with self._send_lock:
+            reason = self._fatal
+            old = self._producer
+            self._generation += 1
+            try:
+                old.purge(in_queue=True, in_flight=True)
+                old.poll(0)  # successes among the purged reports still count
+            except KafkaException:
+                pass
+            self._apply_reports()
+            self._producer = self._new_producer()
+            self._fatal = None
+            self._redeliver.clear()
+            self._dispatched_upto = 0
+            self._last_seq = max(self._last_seq, self._max_pending_seq())
+            self.counts["recreated"] += 1
+            log.warning("idempotent producer hit a fatal error (%s); recreated it and re-sending the outbox",
+                        describe(reason) if reason is not None else "unknown")
+
+    def _max_pending_seq(self) -> int:
+        last = 0
+        after = 0
+        while True:
+            rows = self._spool.pending(after_seq=after, limit=_DISPATCH_PAGE)
+            if not rows:
+                return last
+            last = rows[-1].seq
+            after = last
+
+    def _new_producer(self) -> Producer:
+        conf = dict(self._config)
+        conf["error_cb"] = self._on_error
+        conf.setdefault("logger", _rdkafka_log)
+        return Producer(conf)
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.fatal():
+            self._fatal = err
+        elif err.code() == KafkaError._ALL_BROKERS_DOWN:
+            log.warning("all brokers are down; messages stay in the outbox until they are back")
+        else:
+            log.debug("producer: %s", describe(err))

@@ -1,0 +1,236 @@
+"""ReliableProducer: acks=all + idempotence behind a disk-spooled outbox.
+
+send() returns once the message is durable in the outbox (per the durability mode); a message
+leaves the outbox only when librdkafka reports it persisted by all in-sync replicas, or moves to
+`failed` with the broker's reason. Nothing is dropped: not on a full buffer, not on a crash, not
+after an idempotent-producer fatal error (the producer is rebuilt and the outbox re-sent in order).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from reliable_kafka import telemetry
+from reliable_kafka.config import producer_config
+from reliable_kafka.errors import ConfigError, DeliveryFailed, ProducerClosed
+from reliable_kafka.ids import new_ids
+from reliable_kafka.outbox import Durability, Outbox
+from reliable_kafka.producer.dispatcher import Dispatcher
+from reliable_kafka.producer.messages import Headers, Message, Preparer, Sent, Serializer, new_tuple, plain_rows
+from reliable_kafka.producer.topic_guard import TopicGuard
+from reliable_kafka.spool import MemorySpool, OutboxRow, Spool
+
+log = logging.getLogger(__name__)
+
+
+def _check_config(config: Mapping[str, Any]) -> None:
+    for owned in ("on_delivery", "dr_msg_cb", "dr_cb"):
+        if owned in config:
+            raise ConfigError(owned, "ReliableProducer owns delivery reports (they clear the outbox); use "
+                                     "on_failed=, wait() or state() to follow a message")
+    if str(config.get("delivery.report.only.error", "false")).strip().lower() in ("true", "1"):
+        # (The Spark writer sets it on its own producers: it learns of success from flush() instead.)
+        raise ConfigError("delivery.report.only.error",
+                          "true hides successful deliveries, so a message could never leave the outbox")
+
+
+def _open_spool(durability: Durability, outbox_path: str | os.PathLike[str] | None, max_pending: int) -> Spool:
+    if durability is Durability.MEMORY:
+        if outbox_path is not None:
+            raise ConfigError("outbox_path", "durability='memory' keeps no outbox file; drop the path")
+        return MemorySpool(max_pending)
+    if outbox_path is None:
+        raise ConfigError("outbox_path", f"durability={durability.value!r} needs an outbox file to spool to")
+    return Outbox(Path(outbox_path), durability=durability, max_messages=max_pending)
+
+
+class ReliableProducer:
+    """A Kafka producer that does not lose accepted messages.
+
+    Args:
+        config: librdkafka settings (at least bootstrap.servers); unsafe ones raise ConfigError.
+        outbox_path: the SQLite outbox file (required unless durability="memory").
+        durability: "process" (survives a crash of this process), "fsync" (survives power loss),
+            or "memory" (no spool: still acks=all + idempotent, but a crash loses unconfirmed messages).
+        max_pending: spool bound; a full spool makes send() block up to `send_timeout`, then raise OutboxFull.
+        max_in_flight: how many messages librdkafka may hold at once (its copies cost ~700 bytes of RSS
+            each). Beyond it send() waits while brokers keep confirming, like a full librdkafka queue;
+            while they confirm nothing (they are away), the rest waits in the outbox instead.
+        preflight: "error" (default) refuses topics whose replication cannot keep acks=all durable,
+            "warn" logs it, "off" skips the check.
+        on_failed: called with the OutboxRow of each message Kafka refused for good.
+
+    It composes parts that each own their state: the spool (outbox.py or spool.py), the topic guard
+    (topic_guard.py: preflight, size limits, the AdminClient) and the dispatcher (dispatcher.py: the
+    librdkafka producer, hand-over order, the poller thread, delivery reports, rebuild after fatal errors).
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        *,
+        outbox_path: str | os.PathLike[str] | None = None,
+        durability: Durability | str = Durability.PROCESS,
+        max_pending: int = 1_000_000,
+        max_in_flight: int = 20_000,
+        send_timeout: float = 30.0,
+        preflight: str = "error",
+        value_serializer: Serializer | None = None,
+        key_serializer: Serializer | None = None,
+        on_failed: Callable[[OutboxRow], None] | None = None,
+    ) -> None:
+        conf = producer_config(config)
+        _check_config(conf)
+        self.durability = Durability(durability)
+        if preflight not in ("error", "warn", "off"):
+            raise ConfigError("preflight", f"{preflight!r} is not 'error', 'warn' or 'off'")
+        if max_in_flight < 1:
+            raise ConfigError("max_in_flight", f"must be at least 1, got {max_in_flight}")
+        self._spool = _open_spool(self.durability, outbox_path, max_pending)
+        self._closed = False
+        self._tracing = telemetry.tracing_enabled()
+        self._prepare = Preparer(value_serializer, key_serializer, tracing=self._tracing).prepare
+        self._guard = TopicGuard(conf, preflight)
+        self._seen_topics = self._guard.seen  # read per batch without a call (see send_many)
+        self._dispatcher = Dispatcher(conf, self._spool, self._guard, max_in_flight=max_in_flight,
+                                      send_timeout=send_timeout, on_failed=on_failed)
+        telemetry.register_producer(self)
+        left = self._dispatcher.start()
+        if left:
+            # Whatever a previous run left pending goes out first, in its original order.
+            log.info("re-sending %d pending message(s) from %s", left, outbox_path)
+
+    # ---- sending ---------------------------------------------------------------------------
+
+    def send(
+        self,
+        topic: str,
+        value: Any,
+        key: Any = None,
+        headers: Headers = None,
+        partition: int | None = None,
+        *,
+        message_id: str | None = None,
+    ) -> Sent:
+        """Accept one message; returns once it is durable per the durability mode.
+
+        Raises OutboxFull when the spool stayed full for send_timeout, TopicConfigError when the
+        preflight refuses the topic, SerializationError for a value that is not bytes, and
+        DeliveryFailed when Kafka refused it at once (it is then kept in the outbox as failed).
+        """
+        sent = self.send_many([Message(topic, value, key, headers, partition, message_id)])[0]
+        if sent.error is not None:
+            raise DeliveryFailed(sent.message_id, sent.error, topic=topic, partition=partition)
+        return sent
+
+    def send_many(self, messages: Iterable[Message | tuple[str, Any]]) -> list[Sent]:
+        """Accept a batch in one outbox transaction (much faster than send() in a loop).
+
+        Returns a Sent per message, in order; a message Kafka refused at once has `error` set.
+        """
+        if self._closed:
+            raise ProducerClosed("send after close(): create a new ReliableProducer")
+        batch = messages if isinstance(messages, list) else list(messages)
+        if not batch:
+            return []
+        ids = new_ids(len(batch))
+        rows = None if self._tracing else plain_rows(batch, ids)
+        if rows is None:
+            prepare = self._prepare
+            rows = [prepare(m, i) for m, i in zip(batch, ids, strict=True)]
+        for topic in {r.topic for r in rows} - self._seen_topics:
+            self._guard.preflight(topic)
+        errors: dict[int, str] = {}
+        seqs = self._dispatcher.accept(rows, errors)
+        if errors:
+            return [Sent(r.message_id, s, errors.get(s)) for r, s in zip(rows, seqs, strict=True)]
+        return [new_tuple(Sent, (r[0], s, None)) for r, s in zip(rows, seqs, strict=True)]
+
+    def check_topics(self, topics: Iterable[str]) -> None:
+        """Run the preflight for `topics` now (it otherwise runs on the first send to each topic).
+
+        Raises TopicConfigError (preflight="error") for a topic whose replication cannot keep acks=all
+        durable, and ClusterUnreachable when no broker answers.
+        """
+        self._guard.check(topics)
+
+    # ---- waiting and closing ---------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Wait until every accepted message is delivered or failed; returns how many are still pending."""
+        return self._dispatcher.wait_until(lambda: self._spool.stats().pending, lambda n: n == 0, timeout, 0.1)
+
+    def wait(self, sent: Sent, timeout: float | None = None) -> str:
+        """Wait until one message is delivered or failed (or `timeout`); returns its state."""
+        return self._dispatcher.wait_until(lambda: self.state(sent), lambda s: s != "pending", timeout, 0.05)
+
+    def close(self, timeout: float | None = 30.0) -> int:
+        """Stop accepting, deliver what is pending within `timeout`, release the outbox.
+
+        Returns the number still pending. In a spooled mode they stay in the outbox and are sent
+        on the next start; in memory mode they are lost, which is logged as an error.
+        """
+        if self._closed:
+            return 0
+        self._closed = True
+        telemetry.unregister_producer(self)
+        self.flush(timeout)
+        remaining = self._dispatcher.stop()
+        if remaining:
+            if self.durability is Durability.MEMORY:
+                log.error("closing with %d undelivered message(s) in memory mode: they are lost", remaining)
+            else:
+                log.warning("closing with %d undelivered message(s); they stay in the outbox for the next start",
+                            remaining)
+        self._spool.close()
+        self._guard.close()
+        return remaining
+
+    def __enter__(self) -> ReliableProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- inspecting ------------------------------------------------------------------------
+
+    def state(self, sent: Sent) -> str:
+        """"pending", "delivered" or "failed" for a message this producer accepted."""
+        row = self._spool.get(sent.seq)
+        return "delivered" if row is None else row.state
+
+    def reason(self, sent: Sent) -> str | None:
+        """Why a message is failed (or the last retriable error of a pending one)."""
+        row = self._spool.get(sent.seq)
+        return None if row is None else row.last_error
+
+    def forget_failed(self, sent: Sent) -> bool:
+        """Delete one failed message, when the caller keeps its own copy (e.g. an uncommitted source record)."""
+        return self._spool.purge(state="failed", seqs=[sent.seq]) == 1
+
+    def failed(self, limit: int | None = None) -> list[OutboxRow]:
+        """Messages Kafka refused for good, with the broker's reason (also: `reliable-kafka outbox list-failed`)."""
+        return self._spool.failed(limit)
+
+    @property
+    def pending(self) -> int:
+        """Accepted messages not yet confirmed delivered."""
+        return self._spool.stats().pending
+
+    @property
+    def in_flight(self) -> int:
+        """Messages librdkafka holds now (queued, on the wire, or with a report not yet served)."""
+        return self._dispatcher.in_flight
+
+    @property
+    def oldest_pending_age_s(self) -> float | None:
+        """Seconds since the oldest unconfirmed message was accepted (None when nothing is pending)."""
+        return self._spool.stats().oldest_pending_age_s
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return dict(self._dispatcher.counts)
