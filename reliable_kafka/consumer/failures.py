@@ -17,7 +17,7 @@ from reliable_kafka.config import connection_settings
 from reliable_kafka.consumer.commits import CommitCoordinator, Partitions
 from reliable_kafka.consumer.counters import Counters
 from reliable_kafka.consumer.dedup_stage import DedupStage
-from reliable_kafka.consumer.fetcher import BatchHandler, Handler, Work
+from reliable_kafka.consumer.work import BatchHandler, Handler, Work
 from reliable_kafka.dlq import DeadLetterPolicy, dead_letter_headers, dlq_topic_for
 from reliable_kafka.errors import (
     DeadLetterFailed,

@@ -22,9 +22,10 @@ from reliable_kafka.consumer.commits import CommitCoordinator, CommitPolicy
 from reliable_kafka.consumer.counters import Counters
 from reliable_kafka.consumer.dedup_stage import DedupPolicy, DedupStage, KeyFunction, rk_id_of
 from reliable_kafka.consumer.failures import DeadLetters, FailureStages
-from reliable_kafka.consumer.fetcher import BatchHandler, Fetcher, Handler
+from reliable_kafka.consumer.fetcher import Fetcher
 from reliable_kafka.consumer.rebalance import RebalanceHandler
 from reliable_kafka.consumer.strategies import choose
+from reliable_kafka.consumer.work import BatchHandler, Handler
 from reliable_kafka.dedup.base import DedupStore
 from reliable_kafka.dlq import DeadLetterPolicy
 from reliable_kafka.errors import ConfigError, ReliableKafkaError
