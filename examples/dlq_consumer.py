@@ -130,16 +130,16 @@ def main() -> int:
         consumer.close()  # commits what is processed and leaves the group
         dedup.close()
     print(json.dumps({"charged": sorted(billing.charged), "gateway_timeouts": billing.gateway_timeouts,
-                      "counts": consumer.counts}), flush=True)
+                      "counts": dict(consumer.stats())}), flush=True)
     return 0
 
 
 def stop_when_idle(consumer: ReliableConsumer, idle_s: float) -> None:
     """Stop the consumer once its counts (handled, skipped, dead-lettered, commits) stop moving."""
-    last, since = consumer.counts, time.monotonic()
+    last, since = consumer.stats(), time.monotonic()
     while time.monotonic() - since < idle_s:
         time.sleep(0.2)
-        now = consumer.counts
+        now = consumer.stats()
         if now != last:
             last, since = now, time.monotonic()
     consumer.stop()

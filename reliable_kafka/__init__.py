@@ -15,6 +15,7 @@ from reliable_kafka.errors import (
     DeadLetterFailed,
     DedupStoreUnavailable,
     DeliveryFailed,
+    DeserializationError,
     InputRefused,
     MissingExtra,
     OutboxCorrupt,
@@ -38,6 +39,7 @@ from reliable_kafka.errors import (
 from reliable_kafka.outbox import Durability, OutboxRow
 from reliable_kafka.producer import Message, ReliableProducer, Sent
 from reliable_kafka.retry import RetryPolicy
+from reliable_kafka.stats import Stats
 from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
 
 if TYPE_CHECKING:
@@ -71,6 +73,7 @@ __all__ = [
     "RetryPolicy",
     "SQLiteDedupStore",
     "Sent",
+    "Stats",
     "TransactionalProcessor",
     # errors (the tree is drawn in reliable_kafka/errors.py)
     "ClusterError",
@@ -80,6 +83,7 @@ __all__ = [
     "DeadLetterFailed",
     "DedupStoreUnavailable",
     "DeliveryFailed",
+    "DeserializationError",
     "InputRefused",
     "MissingExtra",
     "OutboxCorrupt",

@@ -8,7 +8,8 @@ errors by what the caller does next, so one `except` clause can handle a whole b
     ├── InputRefused                   refused before anything was written: fix the input, call again
     │   ├── ConfigError                (also ValueError) a setting is unsafe or invalid
     │   ├── TopicConfigError           the preflight refused a topic's replication settings
-    │   ├── SerializationError         (also TypeError) a key or value is not bytes
+    │   ├── SerializationError         (also TypeError) a key or value is not bytes, or its serializer failed
+    │   ├── DeserializationError       (also ValueError) a record's key or value could not be decoded (poison)
     │   └── WriteRefused               a Spark exactly-once write's input changed under its write id
     ├── Unavailable                    something needed did not answer in time: nothing lost, retry later
     │   ├── ClusterUnreachable         no broker answered
@@ -36,6 +37,8 @@ Classes only ever gain bases, never lose them: an `except` clause that caught an
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class ReliableKafkaError(Exception):
@@ -116,7 +119,30 @@ class OutboxFull(OutboxError, Unavailable):
 
 
 class SerializationError(InputRefused, TypeError):
-    """A key or value is not bytes and no serializer was given to turn it into bytes."""
+    """A key or value is not bytes and no serializer turned it into bytes, or its serializer raised.
+
+    The serializer's own exception (a Schema Registry serializer's, say) is chained as `__cause__`; the
+    message names the topic and whether the key or the value failed. Nothing was accepted.
+    """
+
+
+class DeserializationError(InputRefused, ValueError):
+    """A record's key or value could not be decoded by the consumer's deserializer.
+
+    The deserializer's own exception is chained as `__cause__`; `field` is "key" or "value". For the
+    handler API the record is poison like a failing handler: retried by the RetryPolicy (a Schema
+    Registry that was briefly away decodes it on a later attempt), then written to the dead-letter
+    topic with its original bytes. Never skipped silently, never retried forever. From the explicit API
+    (poll(), iteration) it is raised with `record`: the Message as consumed, still in flight, so its
+    offset is not committed until you ack() it.
+    """
+
+    record: Any = None
+
+    def __init__(self, *args: object, field: str | None = None, code: str | None = None,
+                 topic: str | None = None, partition: int | None = None) -> None:
+        super().__init__(*args, code=code, topic=topic, partition=partition)
+        self.field = field
 
 
 class DeliveryFailed(RefusedByKafka):

@@ -5,8 +5,8 @@ Guarantee: an offset is committed only when it and every earlier offset of its p
 
 from reliable_kafka.consumer.commits import CommitPolicy
 from reliable_kafka.consumer.dedup_stage import DedupPolicy, KeyFunction
-from reliable_kafka.consumer.fetcher import BatchHandler, Handler
 from reliable_kafka.consumer.front import ReliableConsumer
+from reliable_kafka.consumer.work import BatchHandler, Handler
 from reliable_kafka.dlq import DeadLetterPolicy
 
 __all__ = ["BatchHandler", "CommitPolicy", "DeadLetterPolicy", "DedupPolicy", "Handler", "KeyFunction",

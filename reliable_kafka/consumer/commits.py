@@ -12,19 +12,17 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from reliable_kafka import telemetry
-from reliable_kafka.consumer.counters import Counters
+from reliable_kafka.consumer.work import Work
 from reliable_kafka.errors import CommitFailed, ConfigError
 from reliable_kafka.kafka_errors import Disposition, classify, describe, name_of
 from reliable_kafka.offsets import OffsetTracker
 from reliable_kafka.retry import retry_kafka_call
-
-if TYPE_CHECKING:
-    from reliable_kafka.consumer.fetcher import Work
+from reliable_kafka.stats import Counters
 
 log = logging.getLogger(__name__)
 

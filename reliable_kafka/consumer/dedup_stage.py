@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 from confluent_kafka import Message
 
-from reliable_kafka.consumer.counters import Counters
-from reliable_kafka.consumer.fetcher import Work
+from reliable_kafka.consumer.work import Work
 from reliable_kafka.dedup.base import DedupStore
 from reliable_kafka.errors import ConfigError, DedupStoreUnavailable
 from reliable_kafka.ids import message_id_of
+from reliable_kafka.stats import Counters
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,8 @@ from typing import Any
 from reliable_kafka import telemetry
 from reliable_kafka.config import connection_settings
 from reliable_kafka.consumer.commits import CommitCoordinator, Partitions
-from reliable_kafka.consumer.counters import Counters
 from reliable_kafka.consumer.dedup_stage import DedupStage
-from reliable_kafka.consumer.fetcher import BatchHandler, Handler, Work
+from reliable_kafka.consumer.work import BatchHandler, Handler, Work
 from reliable_kafka.dlq import DeadLetterPolicy, dead_letter_headers, dlq_topic_for
 from reliable_kafka.errors import (
     DeadLetterFailed,
@@ -27,6 +26,7 @@ from reliable_kafka.errors import (
     RetryInterrupted,
 )
 from reliable_kafka.retry import RetryPolicy
+from reliable_kafka.stats import Counters
 
 log = logging.getLogger(__name__)
 

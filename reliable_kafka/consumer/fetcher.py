@@ -7,12 +7,11 @@ it runs later, or is forgotten with its partition (revoked or lost) and redelive
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 
+from reliable_kafka.consumer.work import Work
 from reliable_kafka.kafka_errors import describe
 from reliable_kafka.offsets import OffsetTracker
 
@@ -21,19 +20,6 @@ if TYPE_CHECKING:
     from reliable_kafka.consumer.rebalance import RebalanceHandler
 
 log = logging.getLogger(__name__)
-
-Handler = Callable[[Message], Any]
-BatchHandler = Callable[[list[Message]], Any]
-
-
-@dataclass
-class Work:
-    """A tracked record on its way through the stages."""
-
-    msg: Message
-    epoch: int  # its partition's epoch when it was tracked: a completion after a rebalance is stale
-    key: str | None  # dedup key claimed for this record, if dedup is on
-
 
 class Strategy(Protocol):
     """How records are run (strategies.py); the fetch loop only hands batches over."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -19,17 +18,21 @@ from confluent_kafka import Consumer, KafkaError, Message
 from reliable_kafka import telemetry
 from reliable_kafka.config import consumer_config
 from reliable_kafka.consumer.commits import CommitCoordinator, CommitPolicy
-from reliable_kafka.consumer.counters import Counters
+from reliable_kafka.consumer.decoding import Decoding
 from reliable_kafka.consumer.dedup_stage import DedupPolicy, DedupStage, KeyFunction, rk_id_of
 from reliable_kafka.consumer.failures import DeadLetters, FailureStages
-from reliable_kafka.consumer.fetcher import BatchHandler, Fetcher, Handler
+from reliable_kafka.consumer.fetcher import Fetcher
 from reliable_kafka.consumer.rebalance import RebalanceHandler
 from reliable_kafka.consumer.strategies import choose
+from reliable_kafka.consumer.work import BatchHandler, Handler
 from reliable_kafka.dedup.base import DedupStore
+from reliable_kafka.deprecation import warn_deprecated
 from reliable_kafka.dlq import DeadLetterPolicy
-from reliable_kafka.errors import ConfigError, ReliableKafkaError
+from reliable_kafka.errors import ConfigError, DeserializationError, ReliableKafkaError
 from reliable_kafka.kafka_errors import describe
 from reliable_kafka.retry import RetryPolicy
+from reliable_kafka.serdes import UserDeserializer, decoder
+from reliable_kafka.stats import Counters, Stats
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger("reliable_kafka.rdkafka")
@@ -39,6 +42,10 @@ _DEAD_LETTER_TOPIC = DeadLetterPolicy()  # the default: "{topic}.dlq"
 # The flat arguments CommitPolicy and DedupPolicy replace: accepted, with a DeprecationWarning, for one release.
 _OLD_COMMIT = {"commit_interval_s": "interval_s", "commit_every": "every", "commit_timeout_s": "timeout_s"}
 _OLD_DEDUP = {"dedup_key": "key", "dedup_lease_s": "lease_s", "dedup_fail_open": "fail_open"}
+
+# What stats() reports, always all of them (docs/consumer.md#stats says what each counts).
+STATS = ("handled", "dead_lettered", "duplicates_skipped", "commits", "commit_failures", "store_outages",
+         "store_retries")
 
 
 class ReliableConsumer:
@@ -69,6 +76,8 @@ class ReliableConsumer:
         commit: CommitPolicy | None = None,
         dedup: DedupPolicy | DedupStore | None = None,  # a bare store: deprecated, as are the dedup_* arguments
         revoke_timeout_s: float = 30.0,
+        value_deserializer: UserDeserializer | None = None,
+        key_deserializer: UserDeserializer | None = None,
         **deprecated: Any,
     ) -> None:
         if not topics:
@@ -87,9 +96,12 @@ class ReliableConsumer:
         # Subscribed to one topic by name (not a ^regex): every record's topic is known without asking.
         self._single_topic = self.topics[0] if len(self.topics) == 1 and not self.topics[0].startswith("^") else None
         self._stop = threading.Event()
-        self._counters = Counters()
+        self._counters = Counters(STATS)
         self._dedup = DedupStage(dedup, self._counters) if dedup is not None else None
         self._key_of = self._dedup.key_of if self._dedup is not None else key_of
+        # None without deserializers: then nothing is decoded and no record pays for the check.
+        decode_key, decode_value = decoder(key_deserializer, "key"), decoder(value_deserializer, "value")
+        self._decoding = Decoding(decode_key, decode_value) if decode_key or decode_value else None
 
         conf = dict(self._config)
         conf.setdefault("logger", _rdkafka_log)
@@ -116,8 +128,18 @@ class ReliableConsumer:
     # ---- explicit API --------------------------------------------------------------------
 
     def poll(self, timeout: float = 1.0) -> Message | None:
-        """The next record (tracked as in flight until you ack() it), or None."""
+        """The next record (tracked as in flight until you ack() it), or None.
+
+        With a deserializer its key / value are decoded; one that cannot be decoded raises
+        DeserializationError, whose `record` is the Message as consumed (ack() it once you parked it).
+        """
         for msg in self._fetcher.fetch(1, timeout):
+            if self._decoding is not None:
+                try:
+                    self._decoding.decode(msg)
+                except DeserializationError as exc:
+                    exc.record = msg
+                    raise
             return msg
         return None
 
@@ -149,9 +171,14 @@ class ReliableConsumer:
         """Consume until stop() (or `stop_after` seconds), calling `handler` for each record (or batch).
 
         A handler that raises is retried by the RetryPolicy; a record that still fails goes to the
-        dead-letter topic, and its offset is committed only after that write is acknowledged.
+        dead-letter topic, and its offset is committed only after that write is acknowledged. With a
+        deserializer the handler sees the records decoded; one that cannot be decoded fails like a
+        handler (retried, then dead-lettered with its original bytes).
         """
         deadline = None if stop_after is None else time.monotonic() + stop_after
+        if self._decoding is not None:  # decided once per run: without deserializers no record pays for it
+            handler = (self._decoding.batch_handler(handler) if batch  # type: ignore[arg-type]
+                       else self._decoding.handler(handler))  # type: ignore[arg-type]
         strategy = choose(handler, batch=batch, concurrency=self._concurrency, tracing=self._tracing,
                           dedup=self._dedup, single_topic=self._single_topic, fetcher=self._fetcher,
                           failures=self._failures, commits=self._commits, counters=self._counters)
@@ -191,10 +218,18 @@ class ReliableConsumer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def stats(self) -> Stats:
+        """What this consumer did so far: handled, dead_lettered, duplicates_skipped, commits, ...
+
+        An immutable snapshot: `stats().handled` or `stats()["handled"]`; every name is there from the start.
+        """
+        return self._counters.stats()
+
     @property
     def counts(self) -> dict[str, int]:
-        """handled, dead_lettered, duplicates_skipped, commits, ..."""
-        return self._counters.snapshot()
+        """Deprecated: stats() has the same counts (as attributes too)."""
+        warn_deprecated("ReliableConsumer.counts", "use ReliableConsumer.stats()", stacklevel=2)
+        return dict(self.stats())
 
     @property
     def assignment(self) -> list[tuple[str, int]]:
@@ -252,5 +287,4 @@ def _args(table: Mapping[str, Any], given: Mapping[str, Any], value: str) -> str
 
 
 def _warn(old: str, new: str) -> None:
-    warnings.warn(f"ReliableConsumer({old}) is deprecated and will be removed in the next release: pass {new} "
-                  "instead", DeprecationWarning, stacklevel=4)
+    warn_deprecated(f"ReliableConsumer({old})", f"pass {new}", stacklevel=4)  # the line calling ReliableConsumer()

@@ -18,10 +18,11 @@ from confluent_kafka import Message
 
 from reliable_kafka import telemetry
 from reliable_kafka.consumer.commits import CommitCoordinator, Partitions
-from reliable_kafka.consumer.counters import Counters
 from reliable_kafka.consumer.dedup_stage import DedupStage
 from reliable_kafka.consumer.failures import FailureStages
-from reliable_kafka.consumer.fetcher import BatchHandler, Fetcher, Handler, Work
+from reliable_kafka.consumer.fetcher import Fetcher
+from reliable_kafka.consumer.work import BatchHandler, Handler, Work
+from reliable_kafka.stats import Counters
 
 log = logging.getLogger(__name__)
 

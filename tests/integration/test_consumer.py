@@ -348,7 +348,7 @@ def test_a_handler_whose_dedup_store_is_down_is_retried_not_dead_lettered(kafka,
         handled.append(value)
 
     consumer = ReliableConsumer(base_conf(kafka), [topic], retry=RetryPolicy(attempts=2, initial_backoff_s=0.01))
-    _run_until(consumer, handler, lambda: consumer.counts.get("dead_lettered", 0) >= 1 and len(handled) >= 2, 60)
+    _run_until(consumer, handler, lambda: consumer.stats().dead_lettered >= 1 and len(handled) >= 2, 60)
     consumer.close()
     assert handled == ["m-0", "m-1"] and attempts["m-1"] == 6
     dead = [m.value() for m in consume_all(kafka.bootstrap_servers, f"{topic}.dlq")]

@@ -206,7 +206,7 @@ def test_an_inbox_handler_confirms_its_key_and_the_consumers_own_confirm_changes
 
     with caplog.at_level(logging.WARNING, logger="reliable_kafka"):
         thread = run_in_thread(consumer, handler)
-        wait_for(lambda: len(handled) + consumer.counts.get("duplicates_skipped", 0) >= 250, 60, "250 records")
+        wait_for(lambda: len(handled) + consumer.stats().duplicates_skipped >= 250, 60, "250 records")
         wait_for(lambda: committed(kafka.bootstrap_servers, group, topic, 2) == 250, 30, "the commit of 250")
         consumer.stop()
         thread.join(30)
@@ -216,7 +216,7 @@ def test_an_inbox_handler_confirms_its_key_and_the_consumers_own_confirm_changes
         states = raw.mget([f"coop:{message_id}" for _, message_id in originals])
     store.close()
     assert effects == {value: 1 for value, _ in originals}
-    assert consumer.counts["duplicates_skipped"] == 50
+    assert consumer.stats().duplicates_skipped == 50
     assert set(states) == {b"done"}
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "dedup_fail_open" not in r.getMessage()]
 
@@ -433,7 +433,7 @@ def test_redis_killed_for_10s_holds_progress_loses_nothing_and_forgets_what_it_k
             old = random.Random(1).sample(forgotten, 100)
             new = random.Random(2).sample(store.confirmed[remembered_from:], 100)
             produce(kafka.bootstrap_servers, topic, [(by_id[k], k) for k in old + new])
-            wait_for(lambda: len(handled) + consumer.counts.get("duplicates_skipped", 0) >= n + 200, 60,
+            wait_for(lambda: len(handled) + consumer.stats().duplicates_skipped >= n + 200, 60,
                      "the 200 re-sent copies")
         finally:
             consumer.stop()
@@ -450,7 +450,7 @@ def test_redis_killed_for_10s_holds_progress_loses_nothing_and_forgets_what_it_k
     assert sorted(times[by_id[k]] for k in old) == [2] * 100
     assert sorted(times[by_id[k]] for k in new) == [1] * 100
     assert sum(times.values()) - n == 100
-    assert consumer.counts["duplicates_skipped"] == 100
+    assert consumer.stats().duplicates_skipped == 100
     assert len(log_lines(caplog, UNAVAILABLE)) == 1, log_lines(caplog, UNAVAILABLE)
     assert len(log_lines(caplog, "dedup store is back")) == 1
 
@@ -539,7 +539,7 @@ def test_a_handler_that_fails_once_releases_its_claim_and_its_effect_happens_onc
     assert effects == Counter({value: 1 for value, _ in records})
     assert attempts["f-7"] == 2
     assert took < lease_s / 2, f"f-7 waited {took:.0f}s: its claim was not released"
-    assert second.counts["duplicates_skipped"] == 12, "the records after f-7 were confirmed by the first run"
+    assert second.stats().duplicates_skipped == 12, "the records after f-7 were confirmed by the first run"
     assert second_store.claim([message_id for _, message_id in records]).done == {k for _, k in records}
     second_store.close()
     assert committed(kafka.bootstrap_servers, group, topic, 1) == 20

@@ -160,7 +160,7 @@ def test_dedup_hits_are_counted(kafka, make_topic, tmp_path) -> None:
     with SQLiteDedupStore(tmp_path / "dedup.db") as store:
         consumer = ReliableConsumer({"bootstrap.servers": kafka.bootstrap_servers,
                                      "group.id": f"otel-dedup-{uuid.uuid4()}"}, [topic], dedup=store)
-        threading.Thread(target=lambda: (_wait(lambda: consumer.counts.get("duplicates_skipped", 0)
+        threading.Thread(target=lambda: (_wait(lambda: consumer.stats().duplicates_skipped
                                                + len(handled) >= 3, 60), consumer.stop()), daemon=True).start()
         consumer.run(lambda m: handled.append(m.value()))
         consumer.close()

@@ -14,8 +14,8 @@ from confluent_kafka import Message
 
 from reliable_kafka import CommitPolicy, ConfigError, ReliableConsumer
 from reliable_kafka.consumer.commits import CommitCoordinator
-from reliable_kafka.consumer.counters import Counters
 from reliable_kafka.consumer.strategies import FastStrategy
+from reliable_kafka.stats import Counters
 from tests.fixtures.consumer_parts import Clock, NoBroker, T, batch, parts
 
 NOWHERE = {"bootstrap.servers": "127.0.0.1:9", "group.id": "hot-path"}  # never contacted

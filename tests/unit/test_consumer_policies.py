@@ -23,12 +23,12 @@ from reliable_kafka import (
 )
 from reliable_kafka.consumer import strategies
 from reliable_kafka.consumer.commits import CommitCoordinator
-from reliable_kafka.consumer.counters import Counters
 from reliable_kafka.consumer.dedup_stage import DedupStage
 from reliable_kafka.consumer.failures import DeadLetters, FailureStages
 from reliable_kafka.consumer.fetcher import Fetcher
 from reliable_kafka.consumer.rebalance import RebalanceHandler
 from reliable_kafka.retry import RetryPolicy
+from reliable_kafka.stats import Counters
 
 T = "orders"
 NOWHERE = {"bootstrap.servers": "127.0.0.1:9", "group.id": "policies"}  # never contacted

@@ -52,6 +52,7 @@ def test_every_exception_is_in_the_tree_and_exported(qualname: str) -> None:
     [
         (errors.ConfigError, (errors.InputRefused, ValueError)),
         (errors.SerializationError, (errors.InputRefused, TypeError)),
+        (errors.DeserializationError, (errors.InputRefused, ValueError)),
         (errors.TopicConfigError, (errors.InputRefused,)),
         (errors.WriteRefused, (errors.InputRefused,)),
         (errors.ClusterUnreachable, (errors.Unavailable,)),

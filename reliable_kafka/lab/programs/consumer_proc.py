@@ -93,7 +93,7 @@ def main() -> int:
     consumer.run(handle)
     progress.stop()  # its last figures, logged
     consumer.close()
-    log.info("stopped: %s", consumer.counts)
+    log.info("stopped: %s", consumer.stats())
     return 0
 
 

@@ -115,7 +115,7 @@ def main() -> int:
     consumer.run(handle)
     progress.stop()  # its last figures, logged
     consumer.close()
-    log.info("stopped: %s", consumer.counts)
+    log.info("stopped: %s", consumer.stats())
     if store is not None:
         store.close()
     return 0
