@@ -91,8 +91,11 @@ class Checkpoint:
     def __init__(self, producer_config: dict[str, Any], *, transactional_id: str, group_id: str,
                  max_batch_messages: int, interval_s: float, deadlines: Deadlines, reset_to: int,
                  stopping: threading.Event, on_refused: OnRefused,
-                 on_commit: Callable[[CommitInfo], None] | None = None) -> None:
+                 on_commit: Callable[[CommitInfo], None] | None = None,
+                 client: Callable[[dict[str, Any]], Producer] = Producer) -> None:
+        """`client` makes the transactional producer from `producer_config` (a stand-in, in tests)."""
         self._producer_config = producer_config
+        self._client = client
         # librdkafka tells the reason of a fatal state only to error_cb; produce() then says just _FATAL.
         self._fatal = kafka_errors.FatalError(producer_config.get("error_cb"))
         self._producer_config["error_cb"] = self._fatal
@@ -465,7 +468,7 @@ class Checkpoint:
 
     def _new_producer(self) -> Producer:
         self._fatal.error = None
-        producer = Producer(self._producer_config)
+        producer = self._client(self._producer_config)
         done = call("init_transactions", lambda: producer.init_transactions(self.deadlines.timeout()),
                     self.deadlines, self.transactional_id)
         if isinstance(done, Failure):
