@@ -129,8 +129,7 @@ def main() -> int:
 
     delay_s = args.delay_ms / 1000
     processor = TransactionalProcessor(
-        {"bootstrap.servers": args.bootstrap_servers},
-        group_id=args.group,
+        {"bootstrap.servers": args.bootstrap_servers, "group.id": args.group},
         input_topics=[args.input],
         transform=lambda msg: book(msg, args.ledger_topic, args.events_topic, delay_s),
         # A restart with the same id fences the previous incarnation and aborts what it left open.

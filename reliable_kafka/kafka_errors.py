@@ -7,7 +7,10 @@ are decided the same way everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Callable
+from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 
@@ -120,9 +123,43 @@ _OUTCOME_UNKNOWN_CODES = {
 }
 
 
-def is_fenced(error: KafkaError | KafkaException | int) -> bool:
-    """True when a newer instance fenced this one (same transactional.id or group.instance.id)."""
-    return code_of(error) in _FENCED_CODES
+def is_fenced(error: KafkaError | KafkaException | int, fatal: KafkaError | None = None) -> bool:
+    """True when a newer instance fenced this one (same transactional.id or group.instance.id).
+
+    `fatal` is the client's fatal error as its error_cb reported it (see FatalError). A call on a producer
+    already in its fatal state fails with _FATAL ("Local: Fatal error"), which hides the reason: the
+    fatal error says whether it was a fence.
+    """
+    code = code_of(error)
+    if code == KafkaError._FATAL and fatal is not None:
+        code = code_of(fatal)
+    return code in _FENCED_CODES
+
+
+class FatalError:
+    """An error_cb that keeps the client's fatal error, the reason behind a later _FATAL.
+
+    librdkafka hands error_cb the underlying error of a fatal state (its ERR__FATAL event translated, with
+    fatal() true), while produce() on that client only says _FATAL. Other errors go to `forward`, the
+    error_cb the caller configured, if any.
+    """
+
+    def __init__(self, forward: Callable[[KafkaError], None] | None = None) -> None:
+        self.error: KafkaError | None = None
+        self._forward = forward
+
+    def __call__(self, error: KafkaError) -> None:
+        if error.fatal() and self.error is None:
+            self.error = error
+        if self._forward is not None:
+            self._forward(error)
+
+    def seen(self, client: Any = None) -> KafkaError | None:
+        """The fatal error, once `client` (the producer it watches) served its pending callbacks."""
+        if self.error is None and client is not None:
+            with contextlib.suppress(KafkaException, RuntimeError):  # RuntimeError: the client is closed
+                client.poll(0)
+        return self.error
 
 
 # The broker holds a newer epoch for this producer id than the request carried (INVALID_PRODUCER_EPOCH).

@@ -89,7 +89,7 @@ def copy_rate(variant: str, bootstrap: str, source: str, output: str, messages: 
         copier.close()
     elif variant == VARIANT:
         copier = TransactionalProcessor(
-            {"bootstrap.servers": bootstrap}, group_id=group, input_topics=[source],
+            {"bootstrap.servers": bootstrap, "group.id": group}, input_topics=[source],
             transform=copy_transform(output), transactional_id=f"{group}-0", max_batch_interval_s=0.1,
             on_commit=on_commit,
         )

@@ -224,8 +224,7 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
         )
     else:
         copier = TransactionalProcessor(
-            {"bootstrap.servers": args.bootstrap},
-            group_id=args.group,
+            {"bootstrap.servers": args.bootstrap, "group.id": args.group},
             input_topics=[args.input],
             transform=copy_transform(args.output, delay),
             transactional_id=f"{args.group}-{args.instance}",

@@ -327,6 +327,9 @@ class _ExactlyOnce:
         self.markers = MarkerTopic(options.kafka, options.marker_topic)
         self.fingerprint = Fingerprint(seed=options.topic or "")
         self.crashed = False  # the test hook "crashed" this attempt: leave its transaction open
+        self.producer: Producer | None = None
+        # librdkafka tells the reason of a fatal state only to error_cb; produce() then says just _FATAL.
+        self.fatal = kafka_errors.FatalError()
 
     def verify_complete(self, batches: Iterable[pa.RecordBatch], done: PartitionMarker) -> PartitionCommit:
         """The write id completed: check this partition's input is exactly the same, write nothing."""
@@ -364,7 +367,10 @@ class _ExactlyOnce:
         first = next(source, None)
         if first is None:
             return self._empty_input()
-        producer = Producer(self.options.producer_settings(transactional_id(self.options.write_id, self.partition)))
+        settings = self.options.producer_settings(transactional_id(self.options.write_id, self.partition))
+        self.fatal = kafka_errors.FatalError(settings.get("error_cb"))
+        settings["error_cb"] = self.fatal
+        producer = self.producer = Producer(settings)
         try:
             return self._run(producer, itertools.chain([first], source))
         except KafkaException as exc:  # from produce/begin/flush; commit and init are mapped where called
@@ -482,9 +488,10 @@ class _ExactlyOnce:
     def _failure(self, exc: KafkaException, what: str) -> Exception:
         reason = (f"{what} failed for write {self.options.write_id!r} partition {self.partition}: "
                   f"{kafka_errors.describe(exc)}")
-        code = kafka_errors.code_of(exc)
-        if code in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH):
-            return TransactionFenced(f"{reason}; a newer attempt of this partition took over")
+        # A fenced producer answers _FATAL to a later produce(): its fatal error tells that it was a fence.
+        if kafka_errors.is_fenced(exc, self.fatal.seen(self.producer)):
+            return TransactionFenced(f"{reason}; a newer attempt of this partition took over",
+                                     code=kafka_errors.name_of(exc))
         if kafka_errors.classify(exc) is Disposition.ABORTABLE:
             return PartitionWriteFailed(
                 f"{reason}; the chunk was aborted and a retry resumes after the last committed one"

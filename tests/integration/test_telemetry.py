@@ -100,7 +100,7 @@ def test_the_trace_goes_through_the_transactional_processor_to_its_consumer(kafk
     # A copier that passes the input's headers on, the producer's traceparent included: the processor
     # must replace it with its own, or the hop would vanish from the trace.
     processor = TransactionalProcessor(
-        {"bootstrap.servers": kafka.bootstrap_servers}, group_id=f"otel-eos-{uuid.uuid4().hex[:6]}",
+        {"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"otel-eos-{uuid.uuid4().hex[:6]}"},
         input_topics=[source], transactional_id=f"otel-{uuid.uuid4().hex[:6]}",
         transform=lambda m: [OutputRecord(output, m.value(), m.key(), headers=m.headers())],
     )

@@ -286,7 +286,7 @@ def test_a_zombie_with_the_same_transactional_id_is_fenced_and_writes_nothing_af
 
     def processor(writer: str) -> TransactionalProcessor:
         return TransactionalProcessor(
-            {"bootstrap.servers": bs}, group_id=group, input_topics=[source], transform=transform_of(writer),
+            {"bootstrap.servers": bs, "group.id": group}, input_topics=[source], transform=transform_of(writer),
             transactional_id=tid, consumer_overrides={"session.timeout.ms": 6000},
             on_commit=lambda _info: old_committed.set() if writer == "old" else None,
         )
@@ -348,7 +348,7 @@ def test_poison_input_is_dead_lettered_inside_the_transaction_and_the_rest_goes_
 
     group = f"poison-{uuid.uuid4().hex[:6]}"
     processor = TransactionalProcessor(
-        {"bootstrap.servers": bs}, group_id=group, input_topics=[source],
+        {"bootstrap.servers": bs, "group.id": group}, input_topics=[source],
         transform=transform, transactional_id=f"poison-{uuid.uuid4().hex[:6]}",
         retry_policy=RetryPolicy(attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, jitter=False),
     )
@@ -393,7 +393,7 @@ def test_a_stop_while_every_broker_hangs_returns_in_time_and_the_next_instance_c
         return [OutputRecord(output, msg.value(), msg.key())]
 
     def processor(stop_timeout_s: float) -> TransactionalProcessor:
-        return TransactionalProcessor({"bootstrap.servers": bs}, group_id=group, input_topics=[source.topic],
+        return TransactionalProcessor({"bootstrap.servers": bs, "group.id": group}, input_topics=[source.topic],
                                       transform=transform, transactional_id=tid, stop_timeout_s=stop_timeout_s)
 
     first = processor(stop_timeout_s=5.0)

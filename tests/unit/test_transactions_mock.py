@@ -65,8 +65,7 @@ class Copy:
         self._requests: dict[str, int] = {}
         self._feeder = Producer({"bootstrap.servers": mock.bootstrap_servers})
         self.processor = TransactionalProcessor(
-            {"bootstrap.servers": mock.bootstrap_servers},
-            group_id=self.group,
+            {"bootstrap.servers": mock.bootstrap_servers, "group.id": self.group},
             input_topics=[self.source],
             transform=lambda msg: [OutputRecord(self.output, msg.value(), msg.key())],
             transactional_id=self.tid,
@@ -294,11 +293,11 @@ def test_transactional_config_is_checked_in_the_one_place() -> None:
     with pytest.raises(ConfigError, match="acks"):
         transactional_producer_config({"bootstrap.servers": "b:9092", "acks": 1}, "tx")
     with pytest.raises(ConfigError, match="isolation.level"):
-        TransactionalProcessor({"bootstrap.servers": "b:9092"}, group_id="g", input_topics=["t"],
+        TransactionalProcessor({"bootstrap.servers": "b:9092", "group.id": "g"}, input_topics=["t"],
                                transform=lambda m: [], transactional_id="tx",
                                consumer_overrides={"isolation.level": "read_uncommitted"})
     with pytest.raises(ConfigError, match="stop_timeout_s"):
-        TransactionalProcessor({"bootstrap.servers": "b:9092"}, group_id="g", input_topics=["t"],
+        TransactionalProcessor({"bootstrap.servers": "b:9092", "group.id": "g"}, input_topics=["t"],
                                transform=lambda m: [], transactional_id="tx", stop_timeout_s=0)
 
 

@@ -1,0 +1,136 @@
+"""What a transaction carries: the transform's OutputRecords, flattened to plain output tuples, in Batches.
+
+Guarantee: every output gets a deterministic rk-id from its input, and a processed record is held as
+atoms the garbage collector stops tracking, however long it waits behind a commit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final, TypeAlias, cast
+
+from confluent_kafka import Message
+
+from reliable_kafka.ids import ID_HEADER, message_id_of
+
+TopicPartitionKey = tuple[str, int]
+HeaderValue = str | bytes | None
+OutputHeaders = Sequence[tuple[str, HeaderValue]] | Mapping[str, HeaderValue]
+
+
+@dataclass(slots=True)
+class OutputRecord:
+    """A record `transform` wants written, in the same transaction as the input that produced it.
+
+    Without an `rk-id` header of its own it gets a deterministic one, "<input rk-id>:<index>" (or
+    "<topic>/<partition>/<offset>:<index>" for an input without rk-id), so a downstream dedup can
+    recognise it whatever happens upstream.
+    """
+
+    topic: str
+    value: bytes | None
+    key: bytes | None = None
+    headers: OutputHeaders | None = None
+    partition: int | None = None
+
+
+Transform = Callable[[Message], Iterable[OutputRecord]]
+Outputs = Sequence[OutputRecord]
+
+# One output, ready for produce(): a plain tuple, not a named tuple or an object, because a tuple of atoms
+# is one the garbage collector stops tracking (see Batch); its positions are named below. Headers are
+# kept as a tuple of pairs, or as the rk-id alone (a str) for an output without headers of its own, and
+# made a list (what produce() takes) only when written: a list would keep the tuple tracked.
+OutHeaders: TypeAlias = "str | tuple[tuple[str, HeaderValue], ...]"
+Out = tuple[str, "bytes | None", "bytes | None", int, OutHeaders, TopicPartitionKey, int, bool]
+# Its positions: where it goes (topic, value, key, partition with -1 for the partitioner's choice,
+# headers), then the input it came from (partition, offset) and whether it is a dead-letter copy.
+# The per-record loops build and unpack the tuple positionally in this order (an unpack is cheaper
+# than indexing by name); everything else indexes it with these.
+OUT_TOPIC: Final = 0
+OUT_VALUE: Final = 1
+OUT_KEY: Final = 2
+OUT_PARTITION: Final = 3
+OUT_HEADERS: Final = 4
+OUT_INPUT: Final = 5
+OUT_INPUT_OFFSET: Final = 6
+OUT_DEAD: Final = 7
+
+
+def out_headers(out: Out) -> list[tuple[str, HeaderValue]]:
+    """The headers of an output as produce() takes them."""
+    headers = out[OUT_HEADERS]
+    return [(ID_HEADER, headers)] if headers.__class__ is str else list(headers)  # type: ignore[arg-type]
+
+
+class Batch:
+    """Processed input records, flattened to what the transaction needs: their outputs and offsets.
+
+    Records processed while a commit runs wait in one of these (the backlog, up to max_batch_messages
+    records) for the next transaction. They are held flat (one tuple of atoms per output, which the
+    collector stops tracking at its first pass) rather than as the consumed Messages, the transform's
+    OutputRecords and a tuple per record: with tens of thousands of records waiting, the cyclic garbage
+    collector's full passes over ~5 objects per record cost about a third of the copy's throughput on
+    the benchmark host (0.77 s of a 3.6 s copy).
+    """
+
+    __slots__ = ("outputs", "offsets", "messages", "dead")
+
+    def __init__(self) -> None:
+        self.outputs: list[Out] = []
+        self.offsets: dict[TopicPartitionKey, int] = {}  # next offset to consume, per input partition
+        self.messages = 0
+        self.dead = 0
+
+    def extend(self, later: Batch) -> None:
+        self.outputs.extend(later.outputs)
+        self.offsets.update(later.offsets)  # a later batch's offsets are higher
+        self.messages += later.messages
+        self.dead += later.dead
+
+    def clear(self) -> None:
+        self.outputs = []
+        self.offsets = {}
+        self.messages = self.dead = 0
+
+
+def where(msg: Message) -> tuple[str, int, int]:
+    topic, partition, offset = msg.topic(), msg.partition(), msg.offset()
+    assert topic is not None and partition is not None and offset is not None  # a consumed record
+    return topic, partition, offset
+
+
+def input_headers(msg: Message) -> list[tuple[str, HeaderValue]]:
+    return cast(list[tuple[str, HeaderValue]], list(msg.headers() or []))
+
+
+def input_id(msg: Message, key: TopicPartitionKey, offset: int) -> str:
+    """The input's rk-id, or its coordinates when a foreign producer wrote it."""
+    headers = msg.headers()
+    found = message_id_of(cast(list[tuple[str, bytes | None]], headers)) if headers else None
+    return found if found is not None else f"{key[0]}/{key[1]}/{offset}"
+
+
+def check_output(out: object) -> None:
+    if not isinstance(out, OutputRecord):
+        raise TypeError(f"transform must yield OutputRecord, got {type(out).__name__}")
+
+
+def has_id(headers: Sequence[tuple[str, HeaderValue]]) -> bool:
+    for name, _ in headers:  # noqa: SIM110 - per record: a plain loop is twice as fast as any() here
+        if name == ID_HEADER:
+            return True
+    return False
+
+
+def header_list(headers: OutputHeaders | None) -> list[tuple[str, HeaderValue]]:
+    if headers is None:
+        return []
+    if isinstance(headers, Mapping):
+        return list(headers.items())
+    return list(headers)
+
+
+def label(msg: Message) -> str:
+    return f"{msg.topic()}[{msg.partition()}]@{msg.offset()}"
