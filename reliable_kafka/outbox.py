@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import enum
 import fcntl
 import logging
 import os
@@ -49,7 +48,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from reliable_kafka.errors import (
     ConfigError,
@@ -59,6 +58,7 @@ from reliable_kafka.errors import (
     OutboxLocked,
     SerializationError,
 )
+from reliable_kafka.spool import Durability, NewMessage, OutboxRow, OutboxStats
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -126,58 +126,7 @@ _SQLITE_CANTOPEN = 14
 _SQLITE_NOTADB = 26
 
 
-class Durability(str, enum.Enum):
-    """How much of a crash an appended message survives."""
-
-    PROCESS = "process"  # WAL + synchronous=NORMAL: survives a crash of the process
-    FSYNC = "fsync"  # WAL + synchronous=FULL: survives power loss
-    MEMORY = "memory"  # no spool at all; handled by the producer, refused by Outbox
-
-
 _SYNCHRONOUS = {Durability.PROCESS: "NORMAL", Durability.FSYNC: "FULL"}
-
-
-class NewMessage(NamedTuple):
-    """A message to spool; `message_id` is its stable rk-id (see reliable_kafka.ids.new_id).
-
-    A NamedTuple, not a dataclass: one is built per message on send's hot path, and a tuple is built
-    about three times faster than a frozen dataclass.
-    """
-
-    message_id: str
-    topic: str
-    value: bytes | None
-    key: bytes | None = None
-    headers: tuple[tuple[str, bytes], ...] = ()
-    partition: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class OutboxRow:
-    """A spooled message as stored: `state` is "pending" (to be sent) or "failed" (refused for good)."""
-
-    seq: int
-    message_id: str
-    topic: str
-    key: bytes | None
-    value: bytes | None
-    headers: tuple[tuple[str, bytes], ...]
-    partition: int | None
-    state: str
-    attempts: int
-    last_error: str | None
-    created_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class OutboxStats:
-    """Counts for `reliable-kafka outbox status` and metrics; `file_bytes` includes the WAL file."""
-
-    pending: int
-    failed: int
-    oldest_pending_age_s: float | None
-    file_bytes: int
-    max_messages: int
 
 
 def encode_headers(headers: Sequence[tuple[str, bytes]]) -> bytes | None:
