@@ -36,7 +36,8 @@ from reliable_kafka.errors import (
     SerializationError,
 )
 from reliable_kafka.ids import new_id
-from reliable_kafka.outbox import Outbox, decode_headers, encode_headers
+from reliable_kafka.outbox import Outbox
+from reliable_kafka.outbox.rows import decode_headers, encode_headers
 from reliable_kafka.spool import Durability, NewMessage, OutboxRow
 from tests.fixtures.requirements import missing
 
