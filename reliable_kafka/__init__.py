@@ -36,9 +36,9 @@ from reliable_kafka.errors import (
     Unavailable,
     WriteRefused,
 )
-from reliable_kafka.outbox import Durability, OutboxRow
 from reliable_kafka.producer import Message, ReliableProducer, Sent
 from reliable_kafka.retry import RetryPolicy
+from reliable_kafka.spool import Durability, OutboxRow
 from reliable_kafka.stats import Stats
 from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
 

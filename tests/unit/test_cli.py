@@ -8,7 +8,8 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from reliable_kafka.cli.main import cli
-from reliable_kafka.outbox import NewMessage, Outbox
+from reliable_kafka.outbox import Outbox
+from reliable_kafka.spool import NewMessage
 
 
 def run(*args: str) -> tuple[int, str]:

@@ -36,14 +36,9 @@ from reliable_kafka.errors import (
     SerializationError,
 )
 from reliable_kafka.ids import new_id
-from reliable_kafka.outbox import (
-    Durability,
-    NewMessage,
-    Outbox,
-    OutboxRow,
-    decode_headers,
-    encode_headers,
-)
+from reliable_kafka.outbox import Outbox
+from reliable_kafka.outbox.rows import decode_headers, encode_headers
+from reliable_kafka.spool import Durability, NewMessage, OutboxRow
 from tests.fixtures.requirements import missing
 
 pytestmark = pytest.mark.timeout(60)
@@ -256,7 +251,8 @@ def test_every_acknowledged_append_survives_sigkill(path: Path, durability: str)
     child = """
         import os, signal, sys
         from reliable_kafka.ids import new_id
-        from reliable_kafka.outbox import NewMessage, Outbox
+        from reliable_kafka.outbox import Outbox
+        from reliable_kafka.spool import NewMessage
         outbox = Outbox(sys.argv[1], durability=sys.argv[2])
         for batch_no in range(20):
             batch = [NewMessage(new_id(), "t", os.urandom(100)) for _ in range(50)]

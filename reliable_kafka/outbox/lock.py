@@ -1,0 +1,52 @@
+"""One owner per outbox file: an exclusive flock on `<outbox>.lock`, held for the Outbox's lifetime.
+
+A second opener, in this process or another, gets OutboxLocked naming the owner's pid; read-only
+viewers take no lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from reliable_kafka.errors import OutboxError, OutboxLocked
+
+
+class OutboxLock:
+    """An exclusive flock on `<outbox>.lock`; the file holds the owner's pid.
+
+    The lock file is never deleted: unlinking it would let a third opener lock a fresh inode while a
+    second one still waits on the old one, and two processes would both believe they own the outbox.
+    """
+
+    def __init__(self, db_path: Path) -> None:
+        self.path = db_path.with_name(db_path.name + ".lock")
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise OutboxError(
+                f"cannot create the lock file {self.path} for outbox {db_path}: {exc.strerror}; "
+                "the outbox directory must be writable by this process"
+            ) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise OutboxLocked(
+                f"outbox {db_path} is owned by another producer (pid {holder}, lock file {self.path}); "
+                "one outbox file serves one process: give each producer its own outbox path, or stop "
+                "the other one (read-only tools such as `reliable-kafka outbox status` work meanwhile)"
+            ) from None
+        except OSError as exc:
+            os.close(fd)
+            raise OutboxError(f"cannot lock {self.path} for outbox {db_path}: {exc.strerror}") from exc
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
