@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from reliable_kafka.consumer import CommitPolicy, DeadLetterPolicy, DedupPolicy, ReliableConsumer
 from reliable_kafka.dedup import ClaimResult, DedupStore, SQLiteDedupStore
 from reliable_kafka.errors import (
+    ClientClosed,
     ClusterError,
     ClusterUnreachable,
     CommitFailed,
@@ -91,6 +92,7 @@ __all__ = [
     "OutboxFull",
     "OutboxLocked",
     "PartitionWriteFailed",
+    "ClientClosed",
     "ProducerClosed",
     "ReadIncomplete",
     "RefusedByKafka",

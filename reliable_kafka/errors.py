@@ -29,7 +29,8 @@ errors by what the caller does next, so one `except` clause can handle a whole b
     ├── PartitionWriteFailed           a Spark write task failed; Spark retries it
     ├── RetriesExhausted               a handler failed on its last attempt (poison)
     ├── RetryInterrupted               a stop came while waiting to retry (unfinished, not poison)
-    ├── ProducerClosed                 send() after close()
+    ├── ClientClosed                   a call that needs a running client, after close()
+    │   └── ProducerClosed             send() after close()
     ├── ClusterError                   the local test cluster could not be started or controlled
     └── MissingExtra                   (also ModuleNotFoundError) an optional extra is not installed
 
@@ -156,7 +157,11 @@ class DeliveryFailed(RefusedByKafka):
         super().__init__(f"message {message_id} was refused by Kafka: {reason}", topic=topic, partition=partition)
 
 
-class ProducerClosed(ReliableKafkaError):
+class ClientClosed(ReliableKafkaError):
+    """A client was used after close(): create a new one (close() itself may be called again)."""
+
+
+class ProducerClosed(ClientClosed):
     """send() was called after close()."""
 
 

@@ -28,7 +28,7 @@ from reliable_kafka.consumer.work import BatchHandler, Handler
 from reliable_kafka.dedup.base import DedupStore
 from reliable_kafka.deprecation import warn_deprecated
 from reliable_kafka.dlq import DeadLetterPolicy
-from reliable_kafka.errors import ConfigError, DeserializationError, ReliableKafkaError
+from reliable_kafka.errors import ClientClosed, ConfigError, DeserializationError, ReliableKafkaError
 from reliable_kafka.kafka_errors import describe
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.serdes import UserDeserializer, decoder
@@ -122,8 +122,20 @@ class ReliableConsumer:
         self._failures = FailureStages(retry or RetryPolicy(), self._dead_letters, self._commits, self._dedup,
                                        self._counters, self._stop, tracing=self._tracing, group=group)
         self._rebalance.also_forget(self._fetcher, self._dead_letters)
-        self._client.subscribe(self.topics, on_assign=self._rebalance.on_assign,
-                               on_revoke=self._rebalance.on_revoke, on_lost=self._rebalance.on_lost)
+        self._started = False
+        self._closed = False
+
+    # ---- lifecycle (docs/api.md#lifecycle: the same rule for every client) ----------------
+
+    def start(self) -> ReliableConsumer:
+        """Subscribe (idempotent); `with`, run(), poll() and iteration call it for you."""
+        if self._closed:
+            raise ClientClosed("this ReliableConsumer was closed; create a new one")
+        if not self._started:
+            self._started = True
+            self._client.subscribe(self.topics, on_assign=self._rebalance.on_assign,
+                                   on_revoke=self._rebalance.on_revoke, on_lost=self._rebalance.on_lost)
+        return self
 
     # ---- explicit API --------------------------------------------------------------------
 
@@ -133,6 +145,8 @@ class ReliableConsumer:
         With a deserializer its key / value are decoded; one that cannot be decoded raises
         DeserializationError, whose `record` is the Message as consumed (ack() it once you parked it).
         """
+        if not self._started:
+            self.start()
         for msg in self._fetcher.fetch(1, timeout):
             if self._decoding is not None:
                 try:
@@ -175,6 +189,7 @@ class ReliableConsumer:
         deserializer the handler sees the records decoded; one that cannot be decoded fails like a
         handler (retried, then dead-lettered with its original bytes).
         """
+        self.start()
         deadline = None if stop_after is None else time.monotonic() + stop_after
         if self._decoding is not None:  # decided once per run: without deserializers no record pays for it
             handler = (self._decoding.batch_handler(handler) if batch  # type: ignore[arg-type]
@@ -203,7 +218,13 @@ class ReliableConsumer:
         self._stop.set()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Commit what is processed and leave the group (revoked partitions are committed first)."""
+        """Commit what is processed and leave the group (revoked partitions are committed first).
+
+        Idempotent: a second call does nothing.
+        """
+        if self._closed:
+            return
+        self._closed = True
         self._stop.set()
         try:
             self._commits.commit()
@@ -213,7 +234,7 @@ class ReliableConsumer:
         self._dead_letters.close(timeout)
 
     def __enter__(self) -> ReliableConsumer:
-        return self
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -65,6 +65,7 @@ def test_every_exception_is_in_the_tree_and_exported(qualname: str) -> None:
         (errors.DeliveryFailed, (errors.RefusedByKafka,)),
         (errors.TransactionFenced, (errors.RefusedByKafka,)),
         (errors.TransactionFailed, (errors.RefusedByKafka,)),
+        (errors.ProducerClosed, (errors.ClientClosed,)),
         (errors.MissingExtra, (ModuleNotFoundError,)),
     ],
 )
