@@ -148,7 +148,7 @@ def main() -> int:
         if args.idle_exit is not None:
             threading.Thread(target=stop_when_idle, args=(processor, args.idle_exit), daemon=True).start()
         stats = processor.run()
-    print(json.dumps({"stats": vars(stats)}), flush=True)
+    print(json.dumps({"stats": dict(stats)}), flush=True)
     return 0
 
 

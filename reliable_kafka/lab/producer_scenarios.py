@@ -130,7 +130,7 @@ def _reliable_bounce(cluster: LocalKafkaCluster, topic: str, p: ReliableProducer
     confirmed, more in flight. Returns what it accepted."""
     return bounce_leader_mid_stream(
         cluster, topic, lambda b: p.send_many([(topic, v) for v in b]), partial(_chunk, prefix), rate=10_000,
-        confirmed=lambda: p.counts["delivered"], at_least=2_000, unconfirmed=lambda: p.pending > 0)
+        confirmed=lambda: p.stats().delivered, at_least=2_000, unconfirmed=lambda: p.pending > 0)
 
 
 def _control_bounce(cluster: LocalKafkaCluster, topic: str, prefix: str) -> list[bytes]:

@@ -21,6 +21,7 @@ from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.kafka_errors import Disposition, classify, describe
 from reliable_kafka.producer.topic_guard import TopicGuard
 from reliable_kafka.spool import NewMessage, OutboxRow, Spool
+from reliable_kafka.stats import Counters
 
 log = logging.getLogger(__name__)
 _rdkafka_log = logging.getLogger("reliable_kafka.rdkafka")
@@ -32,6 +33,9 @@ _DISPATCH_PAGE = 2_000
 # accept() waits for room in librdkafka only while deliveries keep coming; after this long without
 # one (brokers away) it stops waiting and the spool takes the messages on its own.
 _STALL_S = 2.0
+
+# What the producer's stats() reports, always all of them (docs/producer.md#stats says what each counts).
+STATS = ("sent", "delivered", "failed", "retried", "recreated")
 
 
 class Dispatcher:
@@ -64,7 +68,9 @@ class Dispatcher:
         self._settled = threading.Condition()
         self._stop = threading.Event()
         self._last_progress = time.monotonic()  # when a delivery was last confirmed (or the start)
-        self.counts = {"sent": 0, "delivered": 0, "failed": 0, "retried": 0, "recreated": 0}
+        # Written from send()'s threads and the poller: every name once per batch or per rare event
+        # (a failure, a retry, a rebuild), except "sent", see accept().
+        self.counters = Counters(STATS)
         self._producer = self._new_producer()
         # One bound method for every callback: a partial over it holds only (seq, generation, topic),
         # a tuple of atoms the garbage collector stops tracking, so each in-flight message costs it
@@ -161,7 +167,10 @@ class Dispatcher:
                         upto = seq
                 finally:
                     self._dispatched_upto = upto
-        self.counts["sent"] += len(rows)
+            # Once per send() / send_many() call, so unlocked: only accept() writes "sent", always under
+            # _send_lock. timeit, 1M calls: 85 ns against 340 ns for the locked add() (a plain dict
+            # increment, as before: 60 ns), on a send() of ~20 us.
+            self.counters.add_unlocked("sent", len(rows))
         telemetry.messages_sent.add(len(rows))
         return seqs
 
@@ -268,14 +277,14 @@ class Dispatcher:
                 self._retry(seq, reason)  # it fits alone: it shared a batch with an oversized record
 
     def _retry(self, seq: int, reason: str) -> None:
-        self.counts["retried"] += 1
+        self.counters.add("retried")
         telemetry.retries.add(1)
         self._spool.record_attempt([seq], reason)
         self._redeliver.append(seq)
 
     def _fail(self, seq: int, reason: str) -> None:
         self._spool.mark_failed(seq, reason)
-        self.counts["failed"] += 1
+        self.counters.add("failed")
         telemetry.messages_failed.add(1)
         log.error("message seq %d refused by Kafka for good (%s); kept in the outbox as failed", seq, reason)
         if self._on_failed is not None:
@@ -288,7 +297,10 @@ class Dispatcher:
             done, self._delivered = self._delivered, []
             self._last_progress = time.monotonic()
             self._spool.mark_delivered(done)
-            self.counts["delivered"] += len(done)
+            # Once per poll round (the callbacks only append seqs), so the lock costs nothing per report:
+            # timeit of the delivery-report path, 1M reports in rounds of 1,000: 80 ns a report with a
+            # dict increment, 77 ns with this add().
+            self.counters.add("delivered", len(done))
             telemetry.messages_delivered.add(len(done))
             with self._settled:
                 self._settled.notify_all()
@@ -332,7 +344,7 @@ class Dispatcher:
             self._redeliver.clear()
             self._dispatched_upto = 0
             self._last_seq = max(self._last_seq, self._max_pending_seq())
-            self.counts["recreated"] += 1
+            self.counters.add("recreated")
             log.warning("idempotent producer hit a fatal error (%s); recreated it and re-sending the outbox",
                         describe(reason) if reason is not None else "unknown")
 

@@ -16,13 +16,16 @@ from typing import Any
 
 from reliable_kafka import telemetry
 from reliable_kafka.config import producer_config
+from reliable_kafka.deprecation import warn_deprecated
 from reliable_kafka.errors import ConfigError, DeliveryFailed, ProducerClosed
 from reliable_kafka.ids import new_ids
 from reliable_kafka.outbox import Durability, Outbox
 from reliable_kafka.producer.dispatcher import Dispatcher
-from reliable_kafka.producer.messages import Headers, Message, Preparer, Sent, Serializer, new_tuple, plain_rows
+from reliable_kafka.producer.messages import Headers, Message, Preparer, Sent, new_tuple, plain_rows
 from reliable_kafka.producer.topic_guard import TopicGuard
+from reliable_kafka.serdes import UserSerializer
 from reliable_kafka.spool import MemorySpool, OutboxRow, Spool
+from reliable_kafka.stats import Stats
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,9 @@ class ReliableProducer:
         preflight: "error" (default) refuses topics whose replication cannot keep acks=all durable,
             "warn" logs it, "off" skips the check.
         on_failed: called with the OutboxRow of each message Kafka refused for good.
+        value_serializer, key_serializer: turn a value / key that is not bytes into bytes: a function
+            `f(obj) -> bytes`, or a confluent-kafka Serializer (Schema Registry's AvroSerializer,
+            JSONSerializer, ProtobufSerializer), called with SerializationContext(topic, field, headers).
 
     It composes parts that each own their state: the spool (outbox.py or spool.py), the topic guard
     (topic_guard.py: preflight, size limits, the AdminClient) and the dispatcher (dispatcher.py: the
@@ -79,8 +85,8 @@ class ReliableProducer:
         max_in_flight: int = 20_000,
         send_timeout: float = 30.0,
         preflight: str = "error",
-        value_serializer: Serializer | None = None,
-        key_serializer: Serializer | None = None,
+        value_serializer: UserSerializer | None = None,
+        key_serializer: UserSerializer | None = None,
         on_failed: Callable[[OutboxRow], None] | None = None,
     ) -> None:
         conf = producer_config(config)
@@ -231,6 +237,15 @@ class ReliableProducer:
         """Seconds since the oldest unconfirmed message was accepted (None when nothing is pending)."""
         return self._spool.stats().oldest_pending_age_s
 
+    def stats(self) -> Stats:
+        """What this producer did so far: sent, delivered, failed, retried, recreated.
+
+        An immutable snapshot: `stats().delivered` or `stats()["delivered"]`; every name is there from the start.
+        """
+        return self._dispatcher.counters.stats()
+
     @property
     def counts(self) -> dict[str, int]:
-        return dict(self._dispatcher.counts)
+        """Deprecated: stats() has the same counts (as attributes too)."""
+        warn_deprecated("ReliableProducer.counts", "use ReliableProducer.stats()", stacklevel=2)
+        return dict(self.stats())

@@ -1,22 +1,24 @@
 """What send() and send_many() take and return, and how one input becomes a row for the spool.
 
 A message is refused here (ConfigError, SerializationError) before anything of its batch is stored;
-serializers are called in this one place (`_to_bytes`).
+serializers are called in this one place (`Preparer.prepare`, through reliable_kafka.serdes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from reliable_kafka import telemetry
 from reliable_kafka.errors import ConfigError, SerializationError
 from reliable_kafka.ids import ID_HEADER
+from reliable_kafka.serdes import UserSerializer, encoder
 from reliable_kafka.spool import NewMessage
 
 Headers = Mapping[str, str | bytes] | Sequence[tuple[str, str | bytes]] | None
-Serializer = Callable[[Any], bytes]
+# What value_serializer= / key_serializer= take: a function or a confluent-kafka Serializer (serdes.py).
+Serializer = UserSerializer
 
 
 class Sent(NamedTuple):
@@ -55,24 +57,7 @@ def plain_rows(batch: Sequence[Any], ids: Sequence[str]) -> list[NewMessage] | N
     return rows if len(rows) == len(batch) else None
 
 
-def _to_bytes(what: str, value: Any, serializer: Serializer | None) -> bytes | None:
-    if value is None:
-        return None
-    if serializer is not None:
-        out = serializer(value)
-        if not isinstance(out, (bytes, bytearray)):
-            raise SerializationError(f"the {what} serializer returned {type(out).__name__}, not bytes")
-        return bytes(out)
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, (bytearray, memoryview)):
-        return bytes(value)
-    raise SerializationError(
-        f"the {what} is a {type(value).__name__}, not bytes; encode it first or pass {what}_serializer="
-    )
-
-
-def _headers(headers: Headers) -> list[tuple[str, bytes]]:
+def _headers(headers: Headers | list[tuple[str, Any]]) -> list[tuple[str, bytes]]:
     if not headers:
         return []
     items = headers.items() if isinstance(headers, Mapping) else headers
@@ -80,17 +65,19 @@ def _headers(headers: Headers) -> list[tuple[str, bytes]]:
     for k, v in items:
         if not isinstance(k, str):
             raise SerializationError(f"header names must be str, got {type(k).__name__}")
-        out.append((k, v.encode() if isinstance(v, str) else b"" if v is None else bytes(v)))
+        out.append((k, v if type(v) is bytes else v.encode() if isinstance(v, str) else b"" if v is None
+                    else bytes(v)))
     return out
 
 
 class Preparer:
     """Turns a Message (or a tuple that is not a plain (topic, bytes) pair) into a NewMessage."""
 
-    def __init__(self, value_serializer: Serializer | None, key_serializer: Serializer | None,
+    def __init__(self, value_serializer: UserSerializer | None, key_serializer: UserSerializer | None,
                  *, tracing: bool) -> None:
-        self._value_serializer = value_serializer
-        self._key_serializer = key_serializer
+        # One call each, its shape (function, confluent Serializer, none) decided here, not per message.
+        self._encode_value = encoder(value_serializer, "value")
+        self._encode_key = encoder(key_serializer, "key")
         self._tracing = tracing
 
     def prepare(self, m: Message | tuple[str, Any], fresh_id: str) -> NewMessage:
@@ -100,9 +87,18 @@ class Preparer:
             m = Message(*m)
         if not isinstance(m.topic, str) or not m.topic:
             raise ConfigError("topic", f"must be a non-empty str, got {m.topic!r}")
-        value = m.value if type(m.value) is bytes else _to_bytes("value", m.value, self._value_serializer)
-        key = m.key if m.key is None or type(m.key) is bytes else _to_bytes("key", m.key, self._key_serializer)
+        # The headers first: a confluent serializer gets this list in its SerializationContext and may
+        # add to it (a schema id header, say), and what is sent is the list it saw.
         headers = _headers(m.headers)
+        given = len(headers)
+        # The key first, as confluent's SerializingProducer does; bytes skip the serializer (no call).
+        # (The ignores: a list of (str, bytes) is a HeaderList, but list is invariant; cast() would cost a call.)
+        key = (m.key if m.key is None or type(m.key) is bytes
+               else self._encode_key(m.topic, m.key, headers))  # type: ignore[arg-type]
+        value = (m.value if type(m.value) is bytes
+                 else self._encode_value(m.topic, m.value, headers))  # type: ignore[arg-type]
+        if len(headers) != given:
+            headers = _headers(headers)  # what a serializer added: made (str, bytes) like the rest
         message_id = m.message_id
         if message_id is None:
             # A caller-supplied rk-id header is the caller's idempotency key: keep it.

@@ -26,6 +26,7 @@ from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.errors import ReliableKafkaError, TransactionFailed, TransactionFenced
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.retry import retry_kafka_call
+from reliable_kafka.stats import Counters, Stats
 from reliable_kafka.transactions.calls import MIN_CALL_S, Deadlines, Failure, call
 from reliable_kafka.transactions.committer import Committer
 from reliable_kafka.transactions.records import Batch, Out, TopicPartitionKey, out_headers
@@ -60,17 +61,14 @@ class CommitInfo:
     dead_lettered: int
 
 
-@dataclass
-class ProcessorStats:
-    """Counters since the processor was created (stats() hands out a copy)."""
+# What the processor's stats() reports, always all of them (docs/exactly-once.md#stats says what each
+# counts). Updated once per commit, abort or rewind, never per record: the Counters' lock costs nothing.
+STATS = ("transactions_committed", "transactions_aborted", "messages_committed", "outputs_committed",
+         "dead_lettered", "producer_recreations", "rewinds")
 
-    transactions_committed: int = 0
-    transactions_aborted: int = 0
-    messages_committed: int = 0
-    outputs_committed: int = 0
-    dead_lettered: int = 0
-    producer_recreations: int = 0
-    rewinds: int = 0
+# The dataclass stats() returned before every client's stats() returned a Stats: the same names, read the
+# same way (attributes). Kept importable for one release.
+ProcessorStats = Stats
 
 
 # produce() refused an output for good: the error this instance must stop with, if any.
@@ -111,7 +109,7 @@ class Checkpoint:
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self._committer: Committer | None = None
-        self.stats = ProcessorStats()
+        self.counters = Counters(STATS)
         self.broken: ReliableKafkaError | None = None
         self._failed_in_a_row = 0
         # Partitions assigned to us right now, and per partition the next offset to process.
@@ -282,11 +280,11 @@ class Checkpoint:
             self.recover(failure)
             return Outcome.REWOUND
         self._failed_in_a_row = 0
-        stats = self.stats
-        stats.transactions_committed += 1
-        stats.messages_committed += info.messages
-        stats.outputs_committed += info.outputs
-        stats.dead_lettered += info.dead_lettered
+        counters = self.counters
+        counters.add("transactions_committed")
+        counters.add("messages_committed", info.messages)
+        counters.add("outputs_committed", info.outputs)
+        counters.add("dead_lettered", info.dead_lettered)
         log.debug("committed %d input record(s), %d output(s)", info.messages, info.outputs)
         if self._on_commit is not None:
             self._on_commit(info)
@@ -327,7 +325,7 @@ class Checkpoint:
         log.warning("%s: the stop ran past stop_timeout_s=%.0fs (%s); giving up the open transaction, whose "
                     "records the next owner processes again", self.transactional_id,
                     self.deadlines.stop_timeout_s, reason)
-        self.stats.transactions_aborted += 1
+        self.counters.add("transactions_aborted")
         telemetry.transaction_aborts.add(1)
         had_open = self.open
         self.clear()
@@ -370,7 +368,7 @@ class Checkpoint:
         """Abort the open (or just failed) transaction and rewind the consumer to its committed offsets."""
         producer = self.producer
         assert producer is not None
-        self.stats.transactions_aborted += 1
+        self.counters.add("transactions_aborted")
         telemetry.transaction_aborts.add(1)
         self.clear()
         failure = call("abort_transaction", lambda: producer.abort_transaction(self.deadlines.timeout()),
@@ -390,7 +388,7 @@ class Checkpoint:
     def rewind(self) -> Outcome:
         """Forget all uncommitted work and seek every owned partition back to its committed offset."""
         consumer = self.consumer
-        self.stats.rewinds += 1
+        self.counters.add("rewinds")
         self.positions.clear()
         self.backlog.clear()
         if consumer is None or not self.owned:
@@ -453,9 +451,9 @@ class Checkpoint:
         """Replace the producer: the new one's init_transactions settles whatever the old one left."""
         log.warning("recreating the transactional producer (%s)", reason)
         if not counted:
-            self.stats.transactions_aborted += 1
+            self.counters.add("transactions_aborted")
             telemetry.transaction_aborts.add(1)
-        self.stats.producer_recreations += 1
+        self.counters.add("producer_recreations")
         self.clear()
         old, self.producer = self.producer, None
         if old is not None:

@@ -24,8 +24,11 @@ from reliable_kafka.dlq import DEFAULT_DLQ_TEMPLATE
 from reliable_kafka.errors import ConfigError, RetryInterrupted, TransactionFailed
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.retry import RetryPolicy
+from reliable_kafka.serdes import UserDeserializer, UserSerializer
+from reliable_kafka.stats import Stats
 from reliable_kafka.transactions.calls import Deadlines, Failure
-from reliable_kafka.transactions.checkpoint import COMMIT_CHECK_S, Checkpoint, CommitInfo, Outcome, ProcessorStats
+from reliable_kafka.transactions.checkpoint import COMMIT_CHECK_S, Checkpoint, CommitInfo, Outcome
+from reliable_kafka.transactions.coding import coded
 from reliable_kafka.transactions.failures import TransformFailures
 from reliable_kafka.transactions.records import (
     Batch,
@@ -94,6 +97,10 @@ class TransactionalProcessor:
         stop_timeout_s: float = 45.0,
         on_commit: Callable[[CommitInfo], None] | None = None,
         group_id: str | None = None,
+        value_deserializer: UserDeserializer | None = None,
+        key_deserializer: UserDeserializer | None = None,
+        value_serializer: UserSerializer | None = None,
+        key_serializer: UserSerializer | None = None,
     ) -> None:
         """Validate the settings; nothing connects until start() (or run(), or `with`).
 
@@ -107,6 +114,13 @@ class TransactionalProcessor:
         `retry_policy` retries a failing transform (default: 3 attempts, 0.1-1 s apart) before its record
         is dead-lettered. `on_commit` is called after each committed transaction, in the run() thread.
         `group_id=` is the deprecated spelling of `group.id` in `config`.
+
+        `value_deserializer` / `key_deserializer` decode each input before the transform sees it, and
+        `value_serializer` / `key_serializer` encode the outputs' values / keys that are not bytes: plain
+        functions, or confluent-kafka (Schema Registry) Deserializer / Serializer objects, called with
+        SerializationContext(topic, field, headers) as in ReliableConsumer and ReliableProducer. A record
+        that cannot be decoded, or whose outputs cannot be encoded, fails like its transform: retried, then
+        dead-lettered with the bytes it was consumed with.
         """
         if isinstance(input_topics, str) or not input_topics:
             raise ConfigError("input_topics", "must be a non-empty list of topic names")
@@ -129,6 +143,9 @@ class TransactionalProcessor:
         producer_conf.setdefault("logger", _rdkafka_log)
         reset = str(self._consumer_conf["auto.offset.reset"]).lower()
         self._input_topics = list(input_topics)
+        # The (de)serializers wrapped around the transform once, here: without them it is the transform.
+        transform = coded(transform, value_deserializer=value_deserializer, key_deserializer=key_deserializer,
+                          value_serializer=value_serializer, key_serializer=key_serializer)
         self._transform = transform
         self._group_id = group
         # Looked up once: with no OpenTelemetry SDK installed the hot path stays free of span calls.
@@ -173,8 +190,8 @@ class TransactionalProcessor:
         log.info("transactional processor %r started on %s", self._transactional_id, self._input_topics)
         return self
 
-    def run(self) -> ProcessorStats:
-        """Process records until stop() is called, then commit what is processed and return the stats.
+    def run(self) -> Stats:
+        """Process records until stop() is called, then commit what is processed and return stats().
 
         Raises TransactionFenced (another instance with the same transactional.id took over),
         TransactionFailed (a fatal error) or DeadLetterFailed (a poison record could not be parked);
@@ -229,9 +246,13 @@ class TransactionalProcessor:
                 consumer.close()  # leaves the group; nothing is left to commit on revoke
             self._checkpoint.shutdown()
 
-    def stats(self) -> ProcessorStats:
-        """A snapshot of the counters."""
-        return replace(self._checkpoint.stats)
+    def stats(self) -> Stats:
+        """What this processor did so far: transactions_committed, messages_committed, dead_lettered, ...
+
+        An immutable snapshot: `stats().messages_committed` or `stats()["messages_committed"]`; every
+        name is there from the start.
+        """
+        return self._checkpoint.counters.stats()
 
     @property
     def transactional_id(self) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final, TypeAlias, cast
+from typing import Any, Final, TypeAlias, cast
 
 from confluent_kafka import Message
 
@@ -25,12 +25,13 @@ class OutputRecord:
 
     Without an `rk-id` header of its own it gets a deterministic one, "<input rk-id>:<index>" (or
     "<topic>/<partition>/<offset>:<index>" for an input without rk-id), so a downstream dedup can
-    recognise it whatever happens upstream.
+    recognise it whatever happens upstream. `value` and `key` are bytes (or None), or any object the
+    processor's value_serializer / key_serializer turns into bytes.
     """
 
     topic: str
-    value: bytes | None
-    key: bytes | None = None
+    value: bytes | None | Any
+    key: bytes | None | Any = None
     headers: OutputHeaders | None = None
     partition: int | None = None
 

@@ -139,7 +139,7 @@ def test_leader_hard_bounce_three_times_during_a_stream_loses_nothing(kafka, mak
             values += bounce_leader_mid_stream(
                 kafka, topic, lambda b: p.send_many([(topic, v) for v in b]),
                 partial(_chunk, f"hb-{round_}", 3000),
-                rate=4000, confirmed=lambda: p.counts["delivered"], at_least=1000, unconfirmed=lambda: p.pending > 0)
+                rate=4000, confirmed=lambda: p.stats().delivered, at_least=1000, unconfirmed=lambda: p.pending > 0)
             kafka.wait_healthy()
         assert p.flush(90) == 0
     v = verdict(values, [m.value() for m in consume_all(kafka.bootstrap_servers, topic)])

@@ -153,7 +153,7 @@ def test_a_commit_sends_outputs_then_offsets_then_the_end_marker() -> None:
                                   "send_offsets_to_transaction", "commit_transaction"]
     assert [(tp.topic, tp.partition, tp.offset) for tp in rig.producer.offsets_sent[0]] == [("in", 0, 5)]
     assert rig.commits == [CommitInfo({IN: 5}, messages=2, outputs=4, dead_lettered=0)]
-    stats = rig.cp.stats
+    stats = rig.cp.counters.stats()
     assert (stats.transactions_committed, stats.messages_committed, stats.outputs_committed) == (1, 2, 4)
     # The output's rk-id, held as a str in the tuple, goes out as its header list.
     assert rig.producer.produced[0][7] == [("rk-id", "in/0/3:0")]
@@ -182,7 +182,7 @@ def test_an_abortable_commit_failure_aborts_and_rewinds_to_the_committed_offsets
     assert rig.commits == [] and "commit_transaction" not in rig.producer.calls
     assert rig.producer.calls[-1] == "abort_transaction"
     assert rig.consumer.seeks == [("in", 0, 3)] and rig.cp.positions == {IN: 3}
-    stats = rig.cp.stats
+    stats = rig.cp.counters.stats()
     assert (stats.transactions_aborted, stats.rewinds, stats.producer_recreations) == (1, 1, 0)
 
 
@@ -192,7 +192,7 @@ def test_a_commit_with_an_unknown_outcome_recreates_the_producer_then_rewinds() 
     rig.cp.commit()
     assert rig.reap() is Outcome.REWOUND
     assert len(rig.producers) == 2 and rig.producers[1].calls == ["init_transactions"]
-    assert rig.cp.stats.producer_recreations == 1 and rig.consumer.seeks == [("in", 0, 3)]
+    assert rig.cp.counters.stats().producer_recreations == 1 and rig.consumer.seeks == [("in", 0, 3)]
 
 
 def test_a_refused_output_aborts_and_is_reported_to_the_failure_stage() -> None:
@@ -200,7 +200,7 @@ def test_a_refused_output_aborts_and_is_reported_to_the_failure_stage() -> None:
     assert rig.cp.write(batch(3, 4)) is Outcome.REWOUND
     assert [out[OUT_INPUT_OFFSET] for out, _ in rig.refused] == [3]
     assert rig.producer.calls[-1] == "abort_transaction" and not rig.cp.open
-    assert rig.cp.stats.transactions_aborted == 1
+    assert rig.cp.counters.stats().transactions_aborted == 1
 
 
 def test_a_refused_dead_letter_copy_stops_the_instance_after_the_abort() -> None:
@@ -235,7 +235,7 @@ def test_a_stop_out_of_time_gives_the_open_transaction_up() -> None:
     rig.cp.deadlines.stop_by = time.monotonic() - 1  # the stop's time is up
     rig.cp.settle("stop requested")
     assert rig.commits == [] and not rig.cp.open
-    assert rig.producer.calls[-1] == "abort_transaction" and rig.cp.stats.transactions_aborted == 1
+    assert rig.producer.calls[-1] == "abort_transaction" and rig.cp.counters.stats().transactions_aborted == 1
 
 
 # ---- the classifier's fatal row --------------------------------------------------------------------

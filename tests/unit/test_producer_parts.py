@@ -193,8 +193,9 @@ def test_a_broker_size_refusal_is_judged_off_the_callback_and_fails_only_the_ove
     assert sorted(m for asked in guard.asked for m in asked) == [f"m-{i}" for i in range(5)]
     assert [r.message_id for r in failed] == ["m-2"] and failed[0].seq == seqs[2]
     assert failed[0].state == "failed" and "MSG_SIZE_TOO_LARGE" in (failed[0].last_error or "")
-    assert d.counts["failed"] == 1 and d.counts["retried"] == 4 and d.counts["delivered"] == 4
-    assert d.counts["sent"] == 5
+    counts = d.counters.stats()
+    assert counts.failed == 1 and counts.retried == 4 and counts.delivered == 4
+    assert counts.sent == 5
 
 
 def test_the_poller_runs_on_its_own_thread_and_stop_lets_go_of_what_librdkafka_holds() -> None:

@@ -79,3 +79,23 @@ def test_the_consumers_counts_still_work_and_name_stats() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         c.stats()
+
+
+def test_a_single_writer_name_added_unlocked_is_counted_and_read_consistently() -> None:
+    counters = Counters(("sent", "delivered"))
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            seen.append(counters.stats().sent)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for _ in range(50_000):
+        counters.add_unlocked("sent", 2)  # the one writer of "sent"
+        counters.add("delivered")
+    stop.set()
+    t.join()
+    assert counters.stats() == {"sent": 100_000, "delivered": 50_000}
+    assert seen == sorted(seen) and all(n % 2 == 0 for n in seen), "snapshots only ever see whole adds, in order"
