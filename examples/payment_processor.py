@@ -140,7 +140,7 @@ def main() -> int:
         max_batch_interval_s=0.2,
         # A transient failure is retried (the transaction stays open meanwhile); an invalid request is
         # dead-lettered at once.
-        retry_policy=RetryPolicy(attempts=3, initial_backoff_s=0.1, max_backoff_s=1.0, give_up_on=(InvalidPayment,)),
+        retry=RetryPolicy(attempts=3, initial_backoff_s=0.1, max_backoff_s=1.0, give_up_on=(InvalidPayment,)),
     )
     signal.signal(signal.SIGTERM, lambda *_: processor.stop())
     signal.signal(signal.SIGINT, lambda *_: processor.stop())

@@ -6,6 +6,11 @@ Guarantee: a deprecated name keeps working for one release, and its warning poin
 from __future__ import annotations
 
 import warnings
+from typing import TypeVar
+
+from reliable_kafka.errors import ConfigError
+
+T = TypeVar("T")
 
 
 def warn_deprecated(old: str, new: str, *, stacklevel: int = 1) -> None:
@@ -16,3 +21,17 @@ def warn_deprecated(old: str, new: str, *, stacklevel: int = 1) -> None:
     """
     warnings.warn(f"{old} is deprecated and will be removed in the next release: {new} instead",
                   DeprecationWarning, stacklevel=stacklevel + 1)
+
+
+def renamed(where: str, old: str, old_value: T | None, new: str, new_value: T, default: T) -> T:
+    """The value of argument `new`, given that a caller may still pass its old name `old`.
+
+    `old_value` is None when the old name was not passed. Both given with different values is a
+    ConfigError: guessing which one the caller meant could change what a program does.
+    """
+    if old_value is None:
+        return new_value
+    if new_value is not default and new_value != old_value:
+        raise ConfigError(old, f"pass only {new}= (the new name); both were given with different values")
+    warn_deprecated(f"{where}({old}=...)", f"pass {new}=...", stacklevel=3)  # the line calling the constructor
+    return old_value

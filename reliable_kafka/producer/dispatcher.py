@@ -48,13 +48,13 @@ class Dispatcher:
     """
 
     def __init__(self, config: Mapping[str, Any], spool: Spool, guard: TopicGuard, *, max_in_flight: int,
-                 send_timeout: float, on_failed: Callable[[OutboxRow], None] | None) -> None:
+                 send_timeout_s: float, on_failed: Callable[[OutboxRow], None] | None) -> None:
         self._config = dict(config)
         self._spool = spool
         self._guard = guard
         self._limits = guard.limits  # read per message below: the dict itself, not a call
         self._max_in_flight = max_in_flight
-        self._send_timeout = send_timeout
+        self._send_timeout_s = send_timeout_s
         self._on_failed = on_failed
         # Order of sends is the order of seqs; this lock keeps append + hand-over to librdkafka in that order.
         self._send_lock = threading.RLock()
@@ -135,7 +135,7 @@ class Dispatcher:
         if len(self._producer) >= self._max_in_flight:
             self._wait_for_room()
         with self._send_lock:
-            seqs = self._spool.append(rows, timeout=self._send_timeout)
+            seqs = self._spool.append(rows, timeout=self._send_timeout_s)
             self._last_seq = seqs[-1]
             # Hand over now only when no older row waits (order first) and librdkafka has room;
             # otherwise the poller hands them over from the spool, after the older ones.

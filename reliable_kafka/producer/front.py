@@ -16,15 +16,15 @@ from typing import Any
 
 from reliable_kafka import telemetry
 from reliable_kafka.config import producer_config
-from reliable_kafka.deprecation import warn_deprecated
+from reliable_kafka.deprecation import renamed, warn_deprecated
 from reliable_kafka.errors import ConfigError, DeliveryFailed, ProducerClosed
 from reliable_kafka.ids import new_ids
-from reliable_kafka.outbox import Durability, Outbox
+from reliable_kafka.outbox import Outbox
 from reliable_kafka.producer.dispatcher import Dispatcher
 from reliable_kafka.producer.messages import Headers, Message, Preparer, Sent, new_tuple, plain_rows
 from reliable_kafka.producer.topic_guard import TopicGuard
 from reliable_kafka.serdes import UserSerializer
-from reliable_kafka.spool import MemorySpool, OutboxRow, Spool
+from reliable_kafka.spool import Durability, MemorySpool, OutboxRow, Spool
 from reliable_kafka.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ReliableProducer:
         outbox_path: the SQLite outbox file (required unless durability="memory").
         durability: "process" (survives a crash of this process), "fsync" (survives power loss),
             or "memory" (no spool: still acks=all + idempotent, but a crash loses unconfirmed messages).
-        max_pending: spool bound; a full spool makes send() block up to `send_timeout`, then raise OutboxFull.
+        max_pending: spool bound; a full spool makes send() block up to `send_timeout_s`, then raise OutboxFull.
         max_in_flight: how many messages librdkafka may hold at once (its copies cost ~700 bytes of RSS
             each). Beyond it send() waits while brokers keep confirming, like a full librdkafka queue;
             while they confirm nothing (they are away), the rest waits in the outbox instead.
@@ -83,12 +83,15 @@ class ReliableProducer:
         durability: Durability | str = Durability.PROCESS,
         max_pending: int = 1_000_000,
         max_in_flight: int = 20_000,
-        send_timeout: float = 30.0,
+        send_timeout_s: float = 30.0,
         preflight: str = "error",
         value_serializer: UserSerializer | None = None,
         key_serializer: UserSerializer | None = None,
         on_failed: Callable[[OutboxRow], None] | None = None,
+        send_timeout: float | None = None,  # deprecated: send_timeout_s
     ) -> None:
+        send_timeout_s = renamed("ReliableProducer", "send_timeout", send_timeout,
+                                 "send_timeout_s", send_timeout_s, 30.0)
         conf = producer_config(config)
         _check_config(conf)
         self.durability = Durability(durability)
@@ -103,12 +106,27 @@ class ReliableProducer:
         self._guard = TopicGuard(conf, preflight)
         self._seen_topics = self._guard.seen  # read per batch without a call (see send_many)
         self._dispatcher = Dispatcher(conf, self._spool, self._guard, max_in_flight=max_in_flight,
-                                      send_timeout=send_timeout, on_failed=on_failed)
-        telemetry.register_producer(self)
-        left = self._dispatcher.start()
-        if left:
-            # Whatever a previous run left pending goes out first, in its original order.
-            log.info("re-sending %d pending message(s) from %s", left, outbox_path)
+                                      send_timeout_s=send_timeout_s, on_failed=on_failed)
+        self._outbox_path = outbox_path
+        self._started = False
+
+    # ---- lifecycle (docs/api.md#lifecycle: the same rule for every client) --------------------
+
+    def start(self) -> ReliableProducer:
+        """Start delivering (idempotent): what an earlier run left in the outbox goes out first.
+
+        `with`, and the first send(), send_many(), flush(), wait() or close(), call it for you.
+        """
+        if self._closed:
+            raise ProducerClosed("this ReliableProducer was closed; create a new one")
+        if not self._started:
+            self._started = True
+            telemetry.register_producer(self)
+            left = self._dispatcher.start()
+            if left:
+                # Whatever a previous run left pending goes out first, in its original order.
+                log.info("re-sending %d pending message(s) from %s", left, self._outbox_path)
+        return self
 
     # ---- sending ---------------------------------------------------------------------------
 
@@ -124,7 +142,7 @@ class ReliableProducer:
     ) -> Sent:
         """Accept one message; returns once it is durable per the durability mode.
 
-        Raises OutboxFull when the spool stayed full for send_timeout, TopicConfigError when the
+        Raises OutboxFull when the spool stayed full for send_timeout_s, TopicConfigError when the
         preflight refuses the topic, SerializationError for a value that is not bytes, and
         DeliveryFailed when Kafka refused it at once (it is then kept in the outbox as failed).
         """
@@ -140,6 +158,8 @@ class ReliableProducer:
         """
         if self._closed:
             raise ProducerClosed("send after close(): create a new ReliableProducer")
+        if not self._started:
+            self.start()
         batch = messages if isinstance(messages, list) else list(messages)
         if not batch:
             return []
@@ -168,10 +188,14 @@ class ReliableProducer:
 
     def flush(self, timeout: float | None = None) -> int:
         """Wait until every accepted message is delivered or failed; returns how many are still pending."""
+        if not self._started and not self._closed:
+            self.start()
         return self._dispatcher.wait_until(lambda: self._spool.stats().pending, lambda n: n == 0, timeout, 0.1)
 
     def wait(self, sent: Sent, timeout: float | None = None) -> str:
         """Wait until one message is delivered or failed (or `timeout`); returns its state."""
+        if not self._started and not self._closed:
+            self.start()
         return self._dispatcher.wait_until(lambda: self.state(sent), lambda s: s != "pending", timeout, 0.05)
 
     def close(self, timeout: float | None = 30.0) -> int:
@@ -182,6 +206,7 @@ class ReliableProducer:
         """
         if self._closed:
             return 0
+        self.start()  # a producer never used still delivers what an earlier run left, within `timeout`
         self._closed = True
         telemetry.unregister_producer(self)
         self.flush(timeout)
@@ -197,7 +222,7 @@ class ReliableProducer:
         return remaining
 
     def __enter__(self) -> ReliableProducer:
-        return self
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -20,7 +20,8 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, 
 
 from reliable_kafka import kafka_errors, telemetry
 from reliable_kafka.config import consumer_config, transactional_producer_config
-from reliable_kafka.dlq import DEFAULT_DLQ_TEMPLATE
+from reliable_kafka.deprecation import renamed
+from reliable_kafka.dlq import DeadLetterPolicy
 from reliable_kafka.errors import ConfigError, RetryInterrupted, TransactionFailed
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.retry import RetryPolicy
@@ -46,6 +47,7 @@ from reliable_kafka.transactions.steps import TxnStep
 
 log = logging.getLogger("reliable_kafka.transactions")
 _rdkafka_log = logging.getLogger("reliable_kafka.rdkafka")
+_DEAD_LETTER = DeadLetterPolicy()  # the default: "{topic}.dlq"
 
 # How long consume() blocks while no transaction is open: bounds how late stop() is noticed.
 _IDLE_POLL_S = 0.1
@@ -62,8 +64,8 @@ class TransactionalProcessor:
     A batch closes after `max_batch_messages` records or `max_batch_interval_s` seconds (100 ms by
     default), whichever comes first. While a batch commits, the next one is already consumed and
     transformed; its outputs are written once the commit is through. Outputs carry a deterministic
-    `rk-id`. A record whose transform keeps failing (per `retry_policy`) is written to its dead-letter
-    topic (`dlq_topic`, default "<topic>.dlq", which must exist) inside the same transaction, and
+    `rk-id`. A record whose transform keeps failing (per `retry`) is written to its dead-letter
+    topic (`dead_letter`, default "<topic>.dlq", which must exist) inside the same transaction, and
     processing goes on.
 
     `transactional_id` must be stable for this instance and unique among live instances (e.g.
@@ -91,8 +93,8 @@ class TransactionalProcessor:
         producer_overrides: Mapping[str, Any] | None = None,
         max_batch_messages: int = 20_000,
         max_batch_interval_s: float = 0.1,
-        retry_policy: RetryPolicy | None = None,
-        dlq_topic: str = DEFAULT_DLQ_TEMPLATE,
+        retry: RetryPolicy | None = None,
+        dead_letter: DeadLetterPolicy | None = None,
         operation_timeout_s: float = 30.0,
         stop_timeout_s: float = 45.0,
         on_commit: Callable[[CommitInfo], None] | None = None,
@@ -101,6 +103,8 @@ class TransactionalProcessor:
         key_deserializer: UserDeserializer | None = None,
         value_serializer: UserSerializer | None = None,
         key_serializer: UserSerializer | None = None,
+        retry_policy: RetryPolicy | None = None,  # deprecated: retry
+        dlq_topic: str | None = None,  # deprecated: dead_letter=DeadLetterPolicy(template=...)
     ) -> None:
         """Validate the settings; nothing connects until start() (or run(), or `with`).
 
@@ -111,9 +115,12 @@ class TransactionalProcessor:
         transactional call; retriable failures are retried for up to twice that. `stop_timeout_s` bounds
         a graceful stop: what cannot be committed by then (a coordinator still moving, say) is given up,
         never lost: its input offsets stay uncommitted and the next owner processes those records again.
-        `retry_policy` retries a failing transform (default: 3 attempts, 0.1-1 s apart) before its record
-        is dead-lettered. `on_commit` is called after each committed transaction, in the run() thread.
-        `group_id=` is the deprecated spelling of `group.id` in `config`.
+        `retry` retries a failing transform (default: 3 attempts, 0.1-1 s apart) before its record is
+        dead-lettered to `dead_letter.template` (default "{topic}.dlq") inside the transaction; the
+        policy's producer settings and timeouts do not apply here, since the processor's own
+        transactional producer writes the dead letter. `on_commit` is called after each committed
+        transaction, in the run() thread. `group_id=`, `retry_policy=` and `dlq_topic=` are the deprecated
+        spellings of `group.id` in `config`, `retry=` and `dead_letter=DeadLetterPolicy(template=...)`.
 
         `value_deserializer` / `key_deserializer` decode each input before the transform sees it, and
         `value_serializer` / `key_serializer` encode the outputs' values / keys that are not bytes: plain
@@ -122,6 +129,12 @@ class TransactionalProcessor:
         that cannot be decoded, or whose outputs cannot be encoded, fails like its transform: retried, then
         dead-lettered with the bytes it was consumed with.
         """
+        retry = renamed("TransactionalProcessor", "retry_policy", retry_policy, "retry", retry, None)
+        template = (dead_letter or _DEAD_LETTER).template
+        if dlq_topic is not None:
+            policy = renamed("TransactionalProcessor", "dlq_topic", DeadLetterPolicy(template=dlq_topic),
+                             "dead_letter", dead_letter, None)
+            template = policy.template
         if isinstance(input_topics, str) or not input_topics:
             raise ConfigError("input_topics", "must be a non-empty list of topic names")
         for key in ("transactional.id", "enable.auto.commit", "isolation.level"):
@@ -158,7 +171,7 @@ class TransactionalProcessor:
         self._stopping = threading.Event()
         self._closed = False
         self._failures = TransformFailures(
-            transform, retry_policy if retry_policy is not None else DEFAULT_RETRY_POLICY, dlq_topic,
+            transform, retry if retry is not None else DEFAULT_RETRY_POLICY, template,
             self._input_topics, self._stopping,
         )
         self._checkpoint = Checkpoint(

@@ -201,7 +201,7 @@ def test_all_brokers_down_send_keeps_accepting_then_everything_is_delivered(kafk
     # max_in_flight below what is sent while the brokers are away: send() must stop waiting for room
     # once nothing is confirmed, and the outbox take the rest.
     p = ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "o.db",
-                         max_pending=2000, send_timeout=1.0, max_in_flight=500)
+                         max_pending=2000, send_timeout_s=1.0, max_in_flight=500)
     try:
         p.send_many([(topic, v) for v in values[:500]])
         assert p.flush(30) == 0

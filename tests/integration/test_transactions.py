@@ -350,7 +350,7 @@ def test_poison_input_is_dead_lettered_inside_the_transaction_and_the_rest_goes_
     processor = TransactionalProcessor(
         {"bootstrap.servers": bs, "group.id": group}, input_topics=[source],
         transform=transform, transactional_id=f"poison-{uuid.uuid4().hex[:6]}",
-        retry_policy=RetryPolicy(attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, jitter=False),
+        retry=RetryPolicy(attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, jitter=False),
     )
     with processor:
         runner = threading.Thread(target=processor.run, daemon=True)

@@ -61,7 +61,7 @@ def test_avro_in_json_schema_out_exactly_once_and_the_undecodable_record_dead_le
     processor = TransactionalProcessor(
         {"bootstrap.servers": bs, "group.id": group}, input_topics=[source], transform=charge,
         transactional_id=f"serdes-{uuid.uuid4().hex[:6]}",
-        retry_policy=RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05, jitter=False),
+        retry=RetryPolicy(attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05, jitter=False),
         value_deserializer=AvroDeserializer(registry), key_deserializer=StringDeserializer(),
         value_serializer=JSONSerializer(CHARGE_JSON, registry), key_serializer=StringSerializer(),
     )

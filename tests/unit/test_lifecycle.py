@@ -31,3 +31,55 @@ def test_consumer_with_block_starts_and_closes() -> None:
         assert consumer.poll(0) is None
     with pytest.raises(ClientClosed):
         consumer.start()
+
+
+def _threads() -> set[str]:
+    import threading
+
+    return {t.name for t in threading.enumerate()}
+
+
+def test_producer_constructor_starts_nothing_and_start_close_are_idempotent() -> None:
+    from reliable_kafka import ReliableProducer
+
+    producer = ReliableProducer({"bootstrap.servers": "127.0.0.1:9"}, durability="memory", preflight="off")
+    assert "reliable-kafka-producer" not in _threads()
+    assert producer.start() is producer and producer.start() is producer
+    assert "reliable-kafka-producer" in _threads()
+    assert producer.close(timeout=0.1) == 0
+    assert producer.close(timeout=0.1) == 0
+    assert "reliable-kafka-producer" not in _threads()
+
+
+def test_producer_first_send_starts_it_and_send_after_close_raises() -> None:
+    from reliable_kafka import ProducerClosed, ReliableProducer
+
+    with ReliableProducer({"bootstrap.servers": "127.0.0.1:9"}, durability="memory", preflight="off") as producer:
+        assert "reliable-kafka-producer" in _threads()
+    with pytest.raises(ProducerClosed):
+        producer.send("orders", b"late")
+    with pytest.raises(ClientClosed):
+        producer.start()
+    fresh = ReliableProducer({"bootstrap.servers": "127.0.0.1:9"}, durability="memory", preflight="off")
+    fresh.send("orders", b"first")  # starts delivering on its own
+    assert "reliable-kafka-producer" in _threads()
+    assert fresh.close(timeout=0.1) == 1  # nothing listens: the message is still pending
+
+
+def test_renamed_arguments_warn_and_conflicting_spellings_are_refused() -> None:
+    from reliable_kafka import ConfigError, DeadLetterPolicy, ReliableProducer, RetryPolicy, TransactionalProcessor
+
+    with pytest.warns(DeprecationWarning, match=r"send_timeout=\.\.\.\) is deprecated.*send_timeout_s"):
+        ReliableProducer({"bootstrap.servers": "127.0.0.1:9"}, durability="memory", send_timeout=5.0).close(0.1)
+    with pytest.raises(ConfigError, match="send_timeout"):
+        ReliableProducer({"bootstrap.servers": "127.0.0.1:9"}, durability="memory", send_timeout=5.0,
+                         send_timeout_s=6.0)
+    base = {"bootstrap.servers": "127.0.0.1:9", "group.id": "g"}
+    common = {"input_topics": ["in"], "transform": lambda msg: [], "transactional_id": "t"}
+    with pytest.warns(DeprecationWarning, match=r"retry_policy=\.\.\.\) is deprecated.*retry="):
+        TransactionalProcessor(base, retry_policy=RetryPolicy(attempts=2), **common)
+    with pytest.warns(DeprecationWarning, match=r"dlq_topic=\.\.\.\) is deprecated.*dead_letter="):
+        TransactionalProcessor(base, dlq_topic="{topic}.poison", **common)
+    with pytest.raises(ConfigError, match="dlq_topic"):
+        TransactionalProcessor(base, dlq_topic="{topic}.poison", dead_letter=DeadLetterPolicy("{topic}.bad"),
+                               **common)

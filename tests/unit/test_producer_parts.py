@@ -177,7 +177,7 @@ def test_a_broker_size_refusal_is_judged_off_the_callback_and_fails_only_the_ove
     guard, spool = SizeJudge(), NoScan()
     failed: list[OutboxRow] = []
     d = Dispatcher({"bootstrap.servers": mock.bootstrap_servers, "linger.ms": 50}, spool, guard,
-                   max_in_flight=1_000, send_timeout=5, on_failed=failed.append)
+                   max_in_flight=1_000, send_timeout_s=5, on_failed=failed.append)
     assert d.start() == 0
     try:
         # The broker refuses the whole batch for one record; only that one is too large by itself.
@@ -200,7 +200,7 @@ def test_a_broker_size_refusal_is_judged_off_the_callback_and_fails_only_the_ove
 
 def test_the_poller_runs_on_its_own_thread_and_stop_lets_go_of_what_librdkafka_holds() -> None:
     spool = MemorySpool()
-    d = Dispatcher(BOOT, spool, TopicGuard(BOOT, "off"), max_in_flight=10, send_timeout=5, on_failed=None)
+    d = Dispatcher(BOOT, spool, TopicGuard(BOOT, "off"), max_in_flight=10, send_timeout_s=5, on_failed=None)
     before = {t.name for t in threading.enumerate()}
     d.start()
     assert "reliable-kafka-producer" in {t.name for t in threading.enumerate()} - before
