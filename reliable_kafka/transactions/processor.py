@@ -22,7 +22,7 @@ from reliable_kafka import kafka_errors, telemetry
 from reliable_kafka.config import consumer_config, transactional_producer_config
 from reliable_kafka.deprecation import renamed
 from reliable_kafka.dlq import DeadLetterPolicy
-from reliable_kafka.errors import ConfigError, RetryInterrupted, TransactionFailed
+from reliable_kafka.errors import ClientClosed, ConfigError, RetryInterrupted
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.serdes import UserDeserializer, UserSerializer
@@ -187,7 +187,7 @@ class TransactionalProcessor:
     def start(self) -> TransactionalProcessor:
         """Initialise the transactional producer and join the consumer group (idempotent)."""
         if self._closed:
-            raise TransactionFailed("this TransactionalProcessor was closed; create a new one")
+            raise ClientClosed("this TransactionalProcessor was closed; create a new one")
         if self._checkpoint.broken is not None:
             raise self._checkpoint.broken
         if self._consumer is not None:

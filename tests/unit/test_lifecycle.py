@@ -83,3 +83,14 @@ def test_renamed_arguments_warn_and_conflicting_spellings_are_refused() -> None:
     with pytest.raises(ConfigError, match="dlq_topic"):
         TransactionalProcessor(base, dlq_topic="{topic}.poison", dead_letter=DeadLetterPolicy("{topic}.bad"),
                                **common)
+
+
+def test_processor_close_twice_is_harmless_and_start_after_close_raises_client_closed() -> None:
+    from reliable_kafka import TransactionalProcessor
+
+    processor = TransactionalProcessor({"bootstrap.servers": "127.0.0.1:9", "group.id": "g"}, input_topics=["in"],
+                                       transform=lambda msg: [], transactional_id="t")
+    processor.close()
+    processor.close()
+    with pytest.raises(ClientClosed, match="closed; create a new one"):
+        processor.start()
