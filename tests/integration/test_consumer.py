@@ -252,7 +252,7 @@ def test_a_partition_paused_before_a_rebalance_is_fetched_again_when_it_comes_ba
     topic = make_topic(partitions=2)
     values = fill(kafka.bootstrap_servers, topic, 200)
     conf = base_conf(kafka)
-    first = ReliableConsumer(conf, [topic])
+    first = ReliableConsumer(conf, [topic]).start()  # subscribed: hold_paused() below does not start it
     second = None
     try:
         # hold_paused() is what run() does while the backlog is full: pause everything, serve the group.

@@ -17,7 +17,7 @@ import time
 
 from confluent_kafka import Consumer, Message
 
-from reliable_kafka.consumer import ReliableConsumer
+from reliable_kafka.consumer import CommitPolicy, ReliableConsumer
 from reliable_kafka.ids import message_id_of
 from reliable_kafka.lab.programs.status import LOG_FORMAT, Progress
 
@@ -81,7 +81,8 @@ def main() -> int:
         return 0
 
     conf["on_commit"] = lambda err, tps: progress.on_commit(err, tps)
-    consumer = ReliableConsumer(conf, [args.topic], concurrency=args.concurrency, commit_interval_s=0.2)
+    consumer = ReliableConsumer(conf, [args.topic], concurrency=args.concurrency,
+                                commit=CommitPolicy(interval_s=0.2))
     progress = Progress(args.status_file).start()
 
     def idle_watch() -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 from confluent_kafka import Message
 
-from reliable_kafka.consumer import ReliableConsumer
+from reliable_kafka.consumer import CommitPolicy, DedupPolicy, ReliableConsumer
 from reliable_kafka.lab.programs.status import LOG_FORMAT, Progress
 
 log = logging.getLogger("reliable_kafka.lab.member")
@@ -101,8 +101,8 @@ def main() -> int:
         last_record[0] = time.monotonic()
 
     conf["on_commit"] = lambda err, tps: progress.on_commit(err, tps)
-    consumer = ReliableConsumer(conf, [args.topic], dedup=store, dedup_lease_s=args.lease_s,
-                                commit_interval_s=0.5)
+    consumer = ReliableConsumer(conf, [args.topic], dedup=DedupPolicy(store, lease_s=args.lease_s),
+                                commit=CommitPolicy(interval_s=0.5))
     progress = Progress(args.status_file).start()
     signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
 
