@@ -134,7 +134,7 @@ class TransactionalProcessor:
         if dlq_topic is not None:
             policy = renamed("TransactionalProcessor", "dlq_topic", DeadLetterPolicy(template=dlq_topic),
                              "dead_letter", dead_letter, None)
-            template = policy.template
+            template = (policy or _DEAD_LETTER).template
         if isinstance(input_topics, str) or not input_topics:
             raise ConfigError("input_topics", "must be a non-empty list of topic names")
         for key in ("transactional.id", "enable.auto.commit", "isolation.level"):
