@@ -43,6 +43,9 @@ class DedupPolicy:
     fail_open: bool = False
 
     def __post_init__(self) -> None:
+        if self.store is None:
+            raise ConfigError("DedupPolicy.store", "needs a DedupStore (SQLiteDedupStore, RedisDedupStore); "
+                                                   "for a consumer without dedup pass dedup=None")
         if self.lease_s <= 0:
             raise ConfigError("DedupPolicy.lease_s", f"must be positive, got {self.lease_s}")
 

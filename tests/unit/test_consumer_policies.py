@@ -103,6 +103,8 @@ def test_policies_refuse_values_that_cannot_work(store: SQLiteDedupStore) -> Non
         CommitPolicy(interval_s=-1)
     with pytest.raises(ConfigError, match="DedupPolicy.lease_s"):
         DedupPolicy(store, lease_s=0)
+    with pytest.raises(ConfigError, match="DedupPolicy.store.*pass dedup=None"):
+        DedupPolicy(None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("batch", "concurrency", "tracing", "dedup", "expected", "bare"), [

@@ -101,8 +101,8 @@ def main() -> int:
         last_record[0] = time.monotonic()
 
     conf["on_commit"] = lambda err, tps: progress.on_commit(err, tps)
-    consumer = ReliableConsumer(conf, [args.topic], dedup=DedupPolicy(store, lease_s=args.lease_s),
-                                commit=CommitPolicy(interval_s=0.5))
+    dedup = DedupPolicy(store, lease_s=args.lease_s) if store is not None else None  # none: the control
+    consumer = ReliableConsumer(conf, [args.topic], dedup=dedup, commit=CommitPolicy(interval_s=0.5))
     progress = Progress(args.status_file).start()
     signal.signal(signal.SIGTERM, lambda *_: consumer.stop())
 
