@@ -19,11 +19,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from reliable_kafka import kafka_errors, telemetry
 from reliable_kafka.backpressure import produce_when_room
-from reliable_kafka.errors import ReliableKafkaError, TransactionFailed, TransactionFenced
+from reliable_kafka.errors import ReliableKafkaError, TransactionFailed
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.stats import Counters, Stats
 from reliable_kafka.transactions.calls import MIN_CALL_S, Deadlines, Failure, call
@@ -442,25 +442,7 @@ class Checkpoint:
 
     def stop_with(self, failure: Failure) -> ReliableKafkaError:
         """The error this instance stops with (also remembered, so close() does not try to commit)."""
-        fatal = self.client.fatal_error()
-        cause = fatal if fatal is not None and kafka_errors.code_of(failure.error) == KafkaError._FATAL else None
-        reason = kafka_errors.describe(failure.error) + (f" (the producer's fatal error: "
-                                                        f"{kafka_errors.describe(cause)})" if cause else "")
-        error: ReliableKafkaError
-        if kafka_errors.is_fenced(failure.error, fatal):
-            error = TransactionFenced(
-                f"transactional.id {self.transactional_id!r} was fenced during {failure.operation} ({reason}): "
-                "another instance with the same transactional.id or group.instance.id took over. This "
-                "instance stopped; its uncommitted work is aborted and redone by the new owner.",
-                code=kafka_errors.name_of(cause or failure.error),
-            )
-        else:
-            error = TransactionFailed(
-                f"transactional.id {self.transactional_id!r}: fatal error during {failure.operation} "
-                f"({reason}). This instance stopped; its uncommitted work is aborted and redone after a "
-                "restart.",
-                code=kafka_errors.name_of(cause or failure.error),
-            )
+        error = self.client.stop_error(failure)
         self.broken = error
         self.clear()
         self.backlog.clear()

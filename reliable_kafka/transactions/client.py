@@ -13,12 +13,13 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from reliable_kafka import kafka_errors
-from reliable_kafka.errors import TransactionFailed
+from reliable_kafka.errors import ReliableKafkaError, TransactionFailed, TransactionFenced
 from reliable_kafka.transactions.calls import Deadlines, Failure, call
 
 
 class TransactionalClient:
-    """The producer handle of one transactional.id, and the fatal error librdkafka reported for it.
+    """The producer handle of one transactional.id, the fatal error librdkafka reported for it, and the
+    errors its failures stop the instance with.
 
     `producer` is None until start() went through, after a failed replace() and after release().
     What a failure means for the transaction is the checkpoint's business: failures come back as values.
@@ -57,9 +58,27 @@ class TransactionalClient:
             del old
         return self.start()
 
-    def fatal_error(self) -> KafkaError | None:
-        """The fatal error librdkafka reported for the producer (after serving its pending callbacks)."""
-        return self._fatal.seen(self.producer)
+    def stop_error(self, failure: Failure) -> ReliableKafkaError:
+        """The error a fatal failure stops the instance with: TransactionFenced when it is a fence.
+
+        A fenced producer answers with just _FATAL: the fatal error its error_cb got names the fence."""
+        fatal = self._fatal.seen(self.producer)
+        cause = fatal if fatal is not None and kafka_errors.code_of(failure.error) == KafkaError._FATAL else None
+        reason = kafka_errors.describe(failure.error) + (f" (the producer's fatal error: "
+                                                        f"{kafka_errors.describe(cause)})" if cause else "")
+        if kafka_errors.is_fenced(failure.error, fatal):
+            return TransactionFenced(
+                f"transactional.id {self.transactional_id!r} was fenced during {failure.operation} ({reason}): "
+                "another instance with the same transactional.id or group.instance.id took over. This "
+                "instance stopped; its uncommitted work is aborted and redone by the new owner.",
+                code=kafka_errors.name_of(cause or failure.error),
+            )
+        return TransactionFailed(
+            f"transactional.id {self.transactional_id!r}: fatal error during {failure.operation} "
+            f"({reason}). This instance stopped; its uncommitted work is aborted and redone after a "
+            "restart.",
+            code=kafka_errors.name_of(cause or failure.error),
+        )
 
     def not_initialised(self, failure: Failure) -> TransactionFailed:
         """The error to stop with when init_transactions did not go through in the time allowed."""
