@@ -19,17 +19,18 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
 
 from reliable_kafka import kafka_errors, telemetry
 from reliable_kafka.backpressure import produce_when_room
-from reliable_kafka.errors import ReliableKafkaError, TransactionFailed, TransactionFenced
+from reliable_kafka.errors import ReliableKafkaError, TransactionFailed
 from reliable_kafka.ids import ID_HEADER
-from reliable_kafka.retry import retry_kafka_call
 from reliable_kafka.stats import Counters, Stats
 from reliable_kafka.transactions.calls import MIN_CALL_S, Deadlines, Failure, call
+from reliable_kafka.transactions.client import TransactionalClient
 from reliable_kafka.transactions.committer import Committer
 from reliable_kafka.transactions.records import Batch, Out, TopicPartitionKey, out_headers
+from reliable_kafka.transactions.rewind import seek_to_committed
 from reliable_kafka.transactions.steps import TxnStep, next_step
 
 log = logging.getLogger("reliable_kafka.transactions")
@@ -92,11 +93,9 @@ class Checkpoint:
                  on_commit: Callable[[CommitInfo], None] | None = None,
                  client: Callable[[dict[str, Any]], Producer] = Producer) -> None:
         """`client` makes the transactional producer from `producer_config` (a stand-in, in tests)."""
-        self._producer_config = producer_config
-        self._client = client
-        # librdkafka tells the reason of a fatal state only to error_cb; produce() then says just _FATAL.
-        self._fatal = kafka_errors.FatalError(producer_config.get("error_cb"))
-        self._producer_config["error_cb"] = self._fatal
+        # The producer's lifecycle; its handle is read once per batch as self.client.producer.
+        self.client = TransactionalClient(producer_config, transactional_id=transactional_id,
+                                          deadlines=deadlines, make=client)
         self.transactional_id = transactional_id
         self._group_id = group_id
         self.max_batch = max_batch_messages
@@ -106,7 +105,6 @@ class Checkpoint:
         self._stopping = stopping
         self._on_refused = on_refused
         self._on_commit = on_commit
-        self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self._committer: Committer | None = None
         self.counters = Counters(STATS)
@@ -134,7 +132,7 @@ class Checkpoint:
 
     def start(self) -> None:
         """Initialise the transactional producer (fencing an earlier incarnation) and the committer."""
-        self.producer = self._new_producer()
+        self._start_producer(self.client.start())
         self._committer = Committer(f"rk-txn-commit-{self.transactional_id}")
 
     # ---- the steps ------------------------------------------------------------------------------
@@ -163,7 +161,7 @@ class Checkpoint:
         return Outcome.DONE
 
     def begin(self, opened_at: float | None = None) -> Outcome:
-        producer = self.producer
+        producer = self.client.producer
         assert producer is not None
         try:
             producer.begin_transaction()
@@ -183,7 +181,7 @@ class Checkpoint:
             return Outcome.DONE
         if not self.open and self.begin(opened_at) is Outcome.REWOUND:
             return Outcome.REWOUND
-        producer = self.producer
+        producer = self.client.producer
         assert producer is not None
         produce = producer.produce
         for out in batch.outputs:
@@ -214,7 +212,7 @@ class Checkpoint:
 
     def commit(self) -> None:
         """Hand the open transaction to the committer thread; the loop goes on with the next batch."""
-        producer, consumer, committer = self.producer, self.consumer, self._committer
+        producer, consumer, committer = self.client.producer, self.consumer, self._committer
         assert producer is not None and consumer is not None and committer is not None
         info = CommitInfo(dict(self._offsets), self.messages, self._outputs, self._dead)
         # Taken now, in the loop's thread: the generation that owns these partitions at this moment.
@@ -330,7 +328,7 @@ class Checkpoint:
         had_open = self.open
         self.clear()
         self.backlog.clear()
-        producer = self.producer
+        producer = self.client.producer
         if had_open and producer is not None:
             with contextlib.suppress(KafkaException):
                 producer.abort_transaction(MIN_CALL_S)
@@ -366,7 +364,7 @@ class Checkpoint:
 
     def abort(self, reason: str) -> Outcome:
         """Abort the open (or just failed) transaction and rewind the consumer to its committed offsets."""
-        producer = self.producer
+        producer = self.client.producer
         assert producer is not None
         self.counters.add("transactions_aborted")
         telemetry.transaction_aborts.add(1)
@@ -399,37 +397,12 @@ class Checkpoint:
             # committed offsets.
             self.owned.clear()
             return Outcome.REWOUND
-        owned = [TopicPartition(t, p) for t, p in sorted(self.owned)]
         try:
-            # read_committed makes librdkafka ask for stable offsets (KIP-447): pending transactional
-            # offsets are waited for, not skipped.
-            committed = retry_kafka_call(
-                lambda: consumer.committed(owned, timeout=self.deadlines.timeout()),
-                deadline_s=self.deadlines.retry_deadline(),
-                what="read committed offsets",
-                log=log,
-            )
-        except KafkaException as exc:
-            self.broken = TransactionFailed(
-                "could not read the committed offsets to rewind after an abort "
-                f"({kafka_errors.describe(exc)}); stopping rather than skip or repeat records",
-                code=kafka_errors.name_of(exc),
-            )
-            raise self.broken from exc
-        for tp in committed:
-            key = (tp.topic, tp.partition)
-            if tp.offset >= 0:
-                self.positions[key] = tp.offset
-                target = tp.offset
-            else:
-                target = self._reset_to
-            try:
-                consumer.seek(TopicPartition(tp.topic, tp.partition, target))
-            except KafkaException as exc:
-                if kafka_errors.code_of(exc) != KafkaError._STATE:
-                    raise
-                # Not fetching yet: it will start at its committed offset anyway.
-                log.debug("%s[%d] not fetching yet; no seek needed", tp.topic, tp.partition)
+            self.positions.update(seek_to_committed(consumer, self.owned, deadlines=self.deadlines,
+                                                    reset_to=self._reset_to))
+        except TransactionFailed as exc:
+            self.broken = exc
+            raise
         return Outcome.REWOUND
 
     def _must_stop(self, failure: Failure) -> bool:
@@ -455,53 +428,21 @@ class Checkpoint:
             telemetry.transaction_aborts.add(1)
         self.counters.add("producer_recreations")
         self.clear()
-        old, self.producer = self.producer, None
-        if old is not None:
-            # A producer in a fatal state may refuse to purge; it is dropped either way.
-            with contextlib.suppress(KafkaException):
-                old.purge(in_queue=True, in_flight=True, blocking=False)
-            del old
-        self.producer = self._new_producer()
+        self._start_producer(self.client.replace())
         self.rewind()
 
-    def _new_producer(self) -> Producer:
-        self._fatal.error = None
-        producer = self._client(self._producer_config)
-        done = call("init_transactions", lambda: producer.init_transactions(self.deadlines.timeout()),
-                    self.deadlines, self.transactional_id)
-        if isinstance(done, Failure):
-            if done.step is TxnStep.STOP:
-                raise self.stop_with(done) from done.error
-            self.broken = TransactionFailed(
-                f"transactional.id {self.transactional_id!r}: init_transactions did not succeed within "
-                f"{self.deadlines.retry_for_s:.0f}s ({kafka_errors.describe(done.error)}); is the transaction "
-                "coordinator reachable and __transaction_state healthy?",
-                code=kafka_errors.name_of(done.error),
-            )
-            raise self.broken from done.error
-        return producer
+    def _start_producer(self, failure: Failure | None) -> None:
+        """Act on how the client's init_transactions went: a failure stops the instance."""
+        if failure is None:
+            return
+        if failure.step is TxnStep.STOP:
+            raise self.stop_with(failure) from failure.error
+        self.broken = self.client.not_initialised(failure)
+        raise self.broken from failure.error
 
     def stop_with(self, failure: Failure) -> ReliableKafkaError:
         """The error this instance stops with (also remembered, so close() does not try to commit)."""
-        fatal = self._fatal.seen(self.producer)
-        cause = fatal if fatal is not None and kafka_errors.code_of(failure.error) == KafkaError._FATAL else None
-        reason = kafka_errors.describe(failure.error) + (f" (the producer's fatal error: "
-                                                        f"{kafka_errors.describe(cause)})" if cause else "")
-        error: ReliableKafkaError
-        if kafka_errors.is_fenced(failure.error, fatal):
-            error = TransactionFenced(
-                f"transactional.id {self.transactional_id!r} was fenced during {failure.operation} ({reason}): "
-                "another instance with the same transactional.id or group.instance.id took over. This "
-                "instance stopped; its uncommitted work is aborted and redone by the new owner.",
-                code=kafka_errors.name_of(cause or failure.error),
-            )
-        else:
-            error = TransactionFailed(
-                f"transactional.id {self.transactional_id!r}: fatal error during {failure.operation} "
-                f"({reason}). This instance stopped; its uncommitted work is aborted and redone after a "
-                "restart.",
-                code=kafka_errors.name_of(cause or failure.error),
-            )
+        error = self.client.stop_error(failure)
         self.broken = error
         self.clear()
         self.backlog.clear()
@@ -528,10 +469,11 @@ class Checkpoint:
             if self.committing is not None and self.broken is None:
                 with contextlib.suppress(ReliableKafkaError):
                     self.reap(wait=True)
-            if self.open and self.broken is None and self.producer is not None:
+            producer = self.client.producer
+            if self.open and self.broken is None and producer is not None:
                 self.open = False
                 try:
-                    self.producer.abort_transaction(self.deadlines.timeout())
+                    producer.abort_transaction(self.deadlines.timeout())
                 except KafkaException as exc:  # the coordinator aborts it after transaction.timeout.ms
                     log.warning("abort on close failed: %s", kafka_errors.describe(exc))
         finally:
@@ -544,4 +486,4 @@ class Checkpoint:
             self._committer.shutdown(
                 timeout=self.deadlines.operation_timeout_s if self.deadlines.stop_by is None else MIN_CALL_S
             )
-        self.producer = None
+        self.client.release()
