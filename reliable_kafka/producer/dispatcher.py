@@ -105,8 +105,14 @@ class Dispatcher:
 
     @property
     def in_flight(self) -> int:
-        """Messages librdkafka holds now (queued, on the wire, or with a report not yet served)."""
+        """What librdkafka holds now: messages queued, on the wire or with a report not yet served, and
+        events (errors, logs) the poller has not served yet, as len(Producer) counts them."""
         return len(self._producer)
+
+    @property
+    def dispatched_upto(self) -> int:
+        """The highest seq handed to librdkafka in order (every seq up to it went before it)."""
+        return self._dispatched_upto
 
     def wait_until(self, probe: Callable[[], _T], done: Callable[[_T], bool], timeout: float | None,
                    tick: float) -> _T:
