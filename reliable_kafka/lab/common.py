@@ -9,6 +9,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +26,27 @@ def topic_name(scenario: str, client: str) -> str:
     return f"lab-{scenario}-{client}-{uuid.uuid4().hex[:6]}"
 
 
+@dataclass
+class StreamProgress:
+    """How far a bare stream has got, read by a fault gate in another thread while the stream runs."""
+
+    total: int = 0
+    produced: int = 0
+    acked: list[bytes] = field(default_factory=list)
+
+
 def bare_produce(bootstrap: str, topic: str, values: Sequence[bytes], *, rate: float | None = None,
-                 **conf: Any) -> list[bytes]:
+                 progress: StreamProgress | None = None, **conf: Any) -> list[bytes]:
     """The control client: plain confluent-kafka; returns the values whose delivery report said success.
 
     `rate` (messages/s) paces the stream, so that a fault injected a moment after the start finds it
-    still running on a fast machine instead of finished and fully replicated.
+    still running on a fast machine instead of finished and fully replicated. `progress`, when given,
+    is kept up to date as the stream runs (its `acked` is the list returned), so a gate can aim a fault
+    at the moment the leader has acknowledged records and more are still to come.
     """
-    acked: list[bytes] = []
+    progress = progress if progress is not None else StreamProgress()
+    progress.total = len(values)
+    acked = progress.acked
     started = time.monotonic()
 
     def on_delivery(err: Any, msg: Any) -> None:
@@ -42,6 +56,7 @@ def bare_produce(bootstrap: str, topic: str, values: Sequence[bytes], *, rate: f
     p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, **conf})
     for i, v in enumerate(values):
         produce_when_room(p, topic, v, on_delivery=on_delivery)
+        progress.produced = i + 1
         p.poll(0)
         if rate is not None and i % 100 == 99:
             ahead = (i + 1) / rate - (time.monotonic() - started)

@@ -33,6 +33,29 @@ def wait_for(condition: Callable[[], bool], *, timeout_s: float, poll_s: float =
         time.sleep(poll_s)
 
 
+def wait_drained(remaining: Callable[[], int], *, stall_s: float, timeout_s: float, poll_s: float = 0.5) -> int:
+    """Wait until `remaining()` (work not yet done, e.g. a group's lag) is 0; returns what is left.
+
+    Gated on progress, not on a fixed time: the wait goes on while the work shrinks and gives up only
+    when it has not shrunk for `stall_s`, or after `timeout_s` in all. A slow machine then finishes
+    the work instead of having its unfinished part counted as lost.
+    """
+    deadline = time.monotonic() + timeout_s
+    best = remaining()
+    moved = time.monotonic()
+    while best > 0:
+        now = time.monotonic()
+        if now >= deadline or now - moved >= stall_s:
+            log.warning("%d left after %.0fs (no progress for %.0fs)", best, timeout_s - (deadline - now),
+                        now - moved)
+            return best
+        time.sleep(poll_s)
+        left = remaining()
+        if left < best:
+            best, moved = left, time.monotonic()
+    return 0
+
+
 def fire_when(
     ready: Callable[[], bool],
     fire: Callable[[], T],

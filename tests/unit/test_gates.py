@@ -8,13 +8,24 @@ import threading
 
 import pytest
 
-from reliable_kafka.testing.gates import FaultNotArmed, Feeder, fire_when, wait_for
+from reliable_kafka.testing.gates import FaultNotArmed, Feeder, fire_when, wait_drained, wait_for
 
 
 def test_wait_for_returns_whether_the_condition_held() -> None:
     ticks = itertools.count()
     assert wait_for(lambda: next(ticks) >= 3, timeout_s=5, poll_s=0.001)
     assert not wait_for(lambda: False, timeout_s=0.05, poll_s=0.01)
+
+
+def test_a_drain_waits_while_the_work_shrinks_and_stops_when_it_stalls() -> None:
+    left = iter([50, 40, 30, 20, 10, 0])
+    assert wait_drained(lambda: next(left), stall_s=1, timeout_s=5, poll_s=0.001) == 0
+    # No progress for stall_s: what is left is returned, not waited for until timeout_s.
+    stuck = iter([50, 40] + [40] * 10_000)
+    assert wait_drained(lambda: next(stuck), stall_s=0.05, timeout_s=5, poll_s=0.001) == 40
+    # Progress that never ends is still bounded by timeout_s.
+    slow = itertools.count(10_000_000, -1)
+    assert wait_drained(lambda: next(slow), stall_s=1, timeout_s=0.05, poll_s=0.001) > 0
 
 
 def test_the_fault_fires_only_once_its_condition_holds() -> None:
