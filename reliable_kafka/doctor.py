@@ -48,7 +48,7 @@ def _topic_findings(admin: AdminClient, topic: str, live: int, timeout: float) -
     if rf < 2 or (internal and rf < MIN_REPLICATION_FACTOR):
         out.append(Finding(CRITICAL, "replication-factor", topic,
                            f"replication factor {rf}: one broker down makes it unavailable and a disk loss "
-                           + ("stops every consumer group / transaction (seed 003)" if internal else "loses it"),
+                           + ("stops every consumer group / transaction (failure mode L3)" if internal else "loses it"),
                            "raise it to 3 with kafka-reassign-partitions"
                            + (" and set the broker's " + INTERNAL_TOPICS[topic][0] + "=3" if internal else "")))
     elif rf < MIN_REPLICATION_FACTOR:
@@ -63,7 +63,7 @@ def _topic_findings(admin: AdminClient, topic: str, live: int, timeout: float) -
         if isr < MIN_INSYNC_REPLICAS:
             out.append(Finding(CRITICAL, "min-insync-replicas", topic,
                                f"min.insync.replicas={isr}: acks=all is satisfied by the leader alone, so a "
-                               "leader failure loses acknowledged writes (seeds 001, 003)",
+                               "leader failure loses acknowledged writes (failure mode L2)",
                                f"kafka-configs --alter --entity-type topics --entity-name {topic} "
                                "--add-config min.insync.replicas=2"))
         elif isr >= rf > 1:
@@ -99,7 +99,7 @@ def diagnose(admin: AdminClient, *, timeout: float = 10.0, include_ok: bool = Tr
         if rf < MIN_REPLICATION_FACTOR:
             findings.append(Finding(CRITICAL, rf_key, f"broker {any_broker}",
                                     f"{rf_key}={rf}: {topic} is created with {rf} replica(s); one broker down "
-                                    "stops every consumer group / transaction (seed 003)",
+                                    "stops every consumer group / transaction (failure mode L3)",
                                     f"set {rf_key}=3 on every broker (before {topic} is created)"))
         if isr_key is not None and int(bconf.get(isr_key, "2")) < MIN_INSYNC_REPLICAS:
             findings.append(Finding(CRITICAL, isr_key, f"broker {any_broker}",

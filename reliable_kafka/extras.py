@@ -6,6 +6,7 @@ connector) imports its modules on first use inside `needs_extra`, so a missing o
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -32,3 +33,8 @@ def needs_extra(extra: str, what: str) -> Iterator[None]:
         if missing not in EXTRAS[extra]:
             raise
         raise MissingExtra(extra, what, missing) from exc
+
+
+def missing_modules(extra: str) -> list[str]:
+    """The modules of `extra` this install lacks (found without importing them), sorted."""
+    return sorted(m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None)

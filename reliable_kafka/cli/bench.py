@@ -19,6 +19,7 @@ from reliable_kafka.admin import admin_client
 from reliable_kafka.bench.common import TARGETS, BenchRow
 from reliable_kafka.bench.suites import consumer_bench, dedup_bench, producer_bench
 from reliable_kafka.cli.output import check_writable, console, emit_json, fail, table
+from reliable_kafka.cli.runlog import chatter_to_file
 from reliable_kafka.errors import ClusterError, ReliableKafkaError
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 
@@ -92,57 +93,58 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, repea
     check_writable(plot_path)
     n = messages or 1_000_000
     chosen = list(BENCHES) if which == "all" else [which]
-    cluster = None
-    if bootstrap_servers is None:
-        cluster = LocalKafkaCluster(brokers=3)
-        console.print("starting a local Kafka cluster (3 nodes)...")
+    with chatter_to_file("bench"):
+        cluster = None
+        if bootstrap_servers is None:
+            cluster = LocalKafkaCluster(brokers=3)
+            console.print("starting a local Kafka cluster (3 nodes)...")
+            try:
+                cluster.start()
+                cluster.wait_healthy()
+            except ClusterError as exc:
+                fail(str(exc))
+            bootstrap_servers = cluster.bootstrap_servers
+        else:
+            try:
+                admin_client(bootstrap_servers).list_topics(timeout=10)
+            except Exception as exc:
+                fail(f"brokers at {bootstrap_servers} are unreachable: {exc}")
+        rows: list[BenchRow] = []
+        create = _create_topic_fn(bootstrap_servers)
         try:
-            cluster.start()
-            cluster.wait_healthy()
-        except ClusterError as exc:
-            fail(str(exc))
-        bootstrap_servers = cluster.bootstrap_servers
-    else:
-        try:
-            admin_client(bootstrap_servers).list_topics(timeout=10)
-        except Exception as exc:
-            fail(f"brokers at {bootstrap_servers} are unreachable: {exc}")
-    rows: list[BenchRow] = []
-    create = _create_topic_fn(bootstrap_servers)
-    try:
-        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
-                      console=console) as bar:
-            task = bar.add_task("benchmarks", total=None)
+            with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                          console=console) as bar:
+                task = bar.add_task("benchmarks", total=None)
 
-            def progress(step: str) -> None:
-                bar.update(task, description=step)
+                def progress(step: str) -> None:
+                    bar.update(task, description=step)
 
-            for b in chosen:
-                try:
-                    if b == "producer":
-                        rows += producer_bench(bootstrap_servers, create, n, progress, repeat)
-                    elif b == "consumer":
-                        rows += consumer_bench(bootstrap_servers, create, n, progress, repeat)
-                    elif b == "dedup":
-                        rows += dedup_bench(bootstrap_servers, create, n, progress, repeat)
-                    elif b == "eos":
-                        progress("eos")
-                        rows += _external("reliable_kafka.bench.eos", "run_eos_bench", bootstrap_servers, n, create)
-                    elif b == "spark":
-                        progress("spark")
-                        rows += _external("reliable_kafka.bench.spark", "run_spark_bench", bootstrap_servers, n,
-                                          create)
-                except (ReliableKafkaError, RuntimeError, ModuleNotFoundError) as exc:
-                    log.error("benchmark %s failed: %s", b, exc)
-                    console.print(f"[red]benchmark {b} failed:[/] {exc}")
-    finally:
-        if cluster is not None:
-            cluster.stop()
+                for b in chosen:
+                    try:
+                        if b == "producer":
+                            rows += producer_bench(bootstrap_servers, create, n, progress, repeat)
+                        elif b == "consumer":
+                            rows += consumer_bench(bootstrap_servers, create, n, progress, repeat)
+                        elif b == "dedup":
+                            rows += dedup_bench(bootstrap_servers, create, n, progress, repeat)
+                        elif b == "eos":
+                            progress("eos")
+                            rows += _external("reliable_kafka.bench.eos", "run_eos_bench", bootstrap_servers, n, create)
+                        elif b == "spark":
+                            progress("spark")
+                            rows += _external("reliable_kafka.bench.spark", "run_spark_bench", bootstrap_servers, n,
+                                              create)
+                    except (ReliableKafkaError, RuntimeError, ModuleNotFoundError) as exc:
+                        log.error("benchmark %s failed: %s", b, exc)
+                        console.print(f"[red]benchmark {b} failed:[/] {exc}")
+        finally:
+            if cluster is not None:
+                cluster.stop()
     table("benchmarks (ratios against a baseline in the same run, same brokers)",
           ["benchmark", "variant", "messages", "msgs/s", "baseline", "ratio", "target", "peak RSS MB"],
           [[r.name, r.variant, r.messages, f"{r.msgs_per_s:,.0f}", r.baseline, f"{r.ratio_vs_baseline:.2f}",
             "" if (r.name, r.variant) not in TARGETS else f"≥ {TARGETS[(r.name, r.variant)]}",
-            f"{r.peak_rss_mb:.0f}"] for r in rows])
+            f"{r.peak_rss_mb:.0f}"] for r in rows], to_stderr=json_path == "-")
     if json_path is not None:
         emit_json({"benchmarks": [r.as_json() for r in rows]}, json_path)
     if plot_path is not None and rows:

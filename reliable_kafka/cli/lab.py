@@ -7,7 +7,9 @@ runs: the lab injects faults by signalling broker processes, so it cannot use a 
 from __future__ import annotations
 
 import logging
+import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import click
@@ -15,8 +17,10 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from reliable_kafka.cli.cluster import default_state_file
 from reliable_kafka.cli.output import check_writable, console, emit_json, fail, table
+from reliable_kafka.cli.runlog import chatter_to_file
 from reliable_kafka.errors import ClusterError
-from reliable_kafka.lab.base import CONTROL, RELIABLE, ScenarioResult
+from reliable_kafka.extras import EXTRAS, missing_modules
+from reliable_kafka.lab.base import CONTROL, RELIABLE, Scenario, ScenarioResult
 from reliable_kafka.lab.registry import scenarios
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 
@@ -42,6 +46,34 @@ def _cluster_for(bootstrap: str | None, state_file: Path | None, brokers: int) -
     return cluster, False
 
 
+# Exit codes, documented in docs/cli.md#lab: the lab's value is that its verdicts are true.
+OK, OURS_LOST, NO_PROOF = 0, 1, 3
+
+
+def verdict(results: list[ScenarioResult], errored: Collection[str]) -> tuple[int, list[str]]:
+    """The exit code and what to say: 1 if reliable_kafka lost or duplicated anything (after dedup);
+    else 3 if a scenario gave no verdict or its control lost and duplicated nothing (the run proves
+    nothing there); else 0."""
+    ours_bad = sorted({r.name for r in results if r.client == RELIABLE and r.name not in errored
+                       and (r.lost != 0 or r.duplicates_after_dedup != 0)})
+    toothless = sorted({r.name for r in results if r.client == CONTROL and r.lost == 0 and r.duplicates == 0})
+    notes = [f"the control client lost and duplicated nothing in {n}: the fault did not bite, so this run "
+             "proves nothing there" for n in toothless]
+    notes += [f"{n} gave no verdict (scenario error, see the log)" for n in sorted(errored)]
+    if ours_bad:
+        return OURS_LOST, notes + ["reliable_kafka lost or duplicated messages in: " + ", ".join(ours_bad)]
+    return (NO_PROOF if toothless or errored else OK), notes
+
+
+def missing_part(s: Scenario) -> str | None:
+    """Why `s` cannot run in this install (an extra is missing), or None."""
+    for extra in (n for n in s.needs if n in EXTRAS):
+        missing = missing_modules(extra)
+        if missing:
+            return f"needs {missing[0]}: pip install 'reliable-kafka[{extra}]'"
+    return None
+
+
 @click.command("lab")
 @click.argument("names", nargs=-1, metavar="[SCENARIO ...]")
 @click.option("--bootstrap-servers", default=None, help="Use the running `reliable-kafka cluster` at B.")
@@ -50,7 +82,12 @@ def _cluster_for(bootstrap: str | None, state_file: Path | None, brokers: int) -
 @click.option("--list", "list_only", is_flag=True, help="List the scenarios and exit.")
 def lab(names: tuple[str, ...], bootstrap_servers: str | None, state_file: Path | None, json_path: str | None,
         list_only: bool) -> None:
-    """Reproduce the classic Kafka loss scenarios: an unsafe control client loses, reliable_kafka does not."""
+    """Reproduce the classic Kafka loss scenarios: an unsafe control client loses, reliable_kafka does not.
+
+    Exit code 0: every control lost or duplicated and reliable_kafka did neither. 1: reliable_kafka lost
+    or duplicated something. 3: a control did not bite or a scenario gave no verdict (nothing proven).
+    A scenario whose extra is not installed is skipped and said so.
+    """
     known = scenarios()
     if list_only:
         table("lab scenarios", ["name", "what happens"], [[s.name, s.description] for s in known.values()])
@@ -58,15 +95,42 @@ def lab(names: tuple[str, ...], bootstrap_servers: str | None, state_file: Path 
     unknown = [n for n in names if n not in known]
     if unknown:
         fail(f"unknown scenario(s) {', '.join(unknown)}; known: {', '.join(known)}", code=2)
-    chosen = [known[n] for n in names] if names else list(known.values())
+    wanted = [known[n] for n in names] if names else list(known.values())
+    skipped = {s.name: why for s in wanted if (why := missing_part(s)) is not None}
+    chosen = [s for s in wanted if s.name not in skipped]
     check_writable(json_path)
-    needs_five = any("5-node cluster" in s.needs for s in chosen)
-    cluster, owned = _cluster_for(bootstrap_servers, state_file, 5 if needs_five else 3)
-    if needs_five and max(len(cluster.nodes), cluster.brokers if owned else 0) < 5:
-        fail("unclean-election needs 5 nodes (3 controllers + 2 broker-only): run the lab without "
-             "--bootstrap-servers, or `reliable-kafka cluster start --brokers 5`")
     results: list[ScenarioResult] = []
+    errored: dict[str, str] = {}
     started = time.monotonic()
+    if chosen:
+        needs_five = any("5-node cluster" in s.needs for s in chosen)
+        cluster, owned = _cluster_for(bootstrap_servers, state_file, 5 if needs_five else 3)
+        if needs_five and max(len(cluster.nodes), cluster.brokers if owned else 0) < 5:
+            fail("unclean-election needs 5 nodes (3 controllers + 2 broker-only): run the lab without "
+                 "--bootstrap-servers, or `reliable-kafka cluster start --brokers 5`")
+        with chatter_to_file("lab"):
+            _run(chosen, cluster, owned, results, errored)
+    rows = [[r.name, r.client, r.acked, r.consumed_unique, r.lost, r.duplicates, r.duplicates_after_dedup,
+             f"{r.seconds:.1f}", r.detail] for r in results if r.name not in errored]
+    rows += [[name, "-", "", "", "", "", "", "", f"no verdict: {why}"] for name, why in sorted(errored.items())]
+    rows += [[name, "-", "", "", "", "", "", "", f"skipped ({why})"] for name, why in skipped.items()]
+    table(f"loss lab ({time.monotonic() - started:.0f}s)",
+          ["scenario", "client", "acked", "consumed", "lost", "duplicates", "dups after dedup", "s", "detail"], rows,
+          to_stderr=json_path == "-")
+    code, notes = verdict(results, errored)
+    if json_path is not None:
+        emit_json({"scenarios": [r.as_json() for r in results if r.name not in errored],
+                   "errored": errored, "skipped": skipped, "exit_code": code}, json_path)
+    for note in notes[:-1] if code == OURS_LOST else notes:
+        console.print(f"[yellow]note:[/] {note}")
+    if code == OURS_LOST:
+        fail(notes[-1], code=OURS_LOST)
+    if code != OK:
+        sys.exit(code)
+
+
+def _run(chosen: list[Scenario], cluster: LocalKafkaCluster, owned: bool, results: list[ScenarioResult],
+         errored: dict[str, str]) -> None:
     try:
         if owned:
             console.print(f"starting a local Kafka cluster ({len(cluster.nodes) or cluster.brokers} nodes)...")
@@ -85,7 +149,7 @@ def lab(names: tuple[str, ...], bootstrap_servers: str | None, state_file: Path 
                 except Exception as exc:  # one broken scenario must not hide the others' results
                     log.exception("scenario %s failed", s.name)
                     bar.update(task, step=f"[red]failed: {exc}")
-                    results.append(ScenarioResult(s.name, RELIABLE, 0, 0, -1, -1, -1, 0.0, f"scenario error: {exc}"))
+                    errored[s.name] = f"scenario error: {exc}"
                     cluster.heal()
                 else:
                     bar.update(task, completed=1.0, step="done")
@@ -94,19 +158,6 @@ def lab(names: tuple[str, ...], bootstrap_servers: str | None, state_file: Path 
     finally:
         if owned:
             cluster.stop()
-    rows = [[r.name, r.client, r.acked, r.consumed_unique, r.lost, r.duplicates, r.duplicates_after_dedup,
-             f"{r.seconds:.1f}", r.detail] for r in results]
-    table(f"loss lab ({time.monotonic() - started:.0f}s)",
-          ["scenario", "client", "acked", "consumed", "lost", "duplicates", "dups after dedup", "s", "detail"], rows)
-    if json_path is not None:
-        emit_json({"scenarios": [r.as_json() for r in results]}, json_path)
-    ours_bad = [r for r in results if r.client == RELIABLE and (r.lost != 0 or r.duplicates_after_dedup != 0)]
-    toothless = {r.name for r in results if r.client == CONTROL and r.lost == 0 and r.duplicates == 0}
-    for name in sorted(toothless):
-        console.print(f"[yellow]note:[/] the control client lost and duplicated nothing in {name}: "
-                      "the fault did not bite this time")
-    if ours_bad:
-        fail("reliable_kafka lost or duplicated messages in: " + ", ".join(sorted({r.name for r in ours_bad})))
 
 
-__all__ = ["lab"]
+__all__ = ["lab", "verdict"]

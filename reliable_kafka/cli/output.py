@@ -1,6 +1,8 @@
-"""How every CLI command talks: JSON for machines, rich tables for people, errors on stderr.
+"""How every CLI command talks: results (tables, JSON) on stdout, progress and errors on stderr.
 
-Errors end the command with a one-line message and a non-zero exit code, never a traceback.
+Errors end the command with a one-line message and a non-zero exit code, never a traceback. When the
+JSON goes to stdout (`--json -`), the table goes to stderr, so stdout parses. When stdout is not a
+terminal, tables are plain aligned text with nothing cut, for logs and `grep`.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-console = Console(stderr=False)
+console = Console(stderr=True)  # progress and status lines: never mixed into what stdout carries
 err_console = Console(stderr=True, soft_wrap=True)
+out_console = Console()
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -55,10 +58,27 @@ def check_writable(path: str | None) -> None:
         fail(f"cannot write to {path}: {exc.strerror or exc}")
 
 
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, to_stderr: bool = False) -> None:
+    """Print a results table on stdout (on stderr with `to_stderr`, e.g. when stdout carries JSON)."""
+    cells = [["" if v is None else str(v) for v in r] for r in rows]
+    target = console if to_stderr else out_console
+    if not target.is_terminal:
+        target.file.write(plain_table(title, columns, cells))
+        target.file.flush()
+        return
     t = Table(title=title)
     for c in columns:
         t.add_column(c)
-    for r in rows:
-        t.add_row(*("" if v is None else str(v) for v in r))
-    console.print(t)
+    for r in cells:
+        t.add_row(*r)
+    target.print(t)
+
+
+def plain_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Columns padded to their widest cell, two spaces apart: no truncation, whatever the width."""
+    widths = [max([len(c), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.ljust(w) for v, w in zip(values, widths, strict=True)).rstrip() + "\n"
+
+    return title + "\n" + line(columns) + line(["-" * w for w in widths]) + "".join(line(r) for r in rows)

@@ -146,4 +146,4 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
     return [_run_client(cluster, progress, client, rng) for client in (CONTROL, RELIABLE)]
 
 
-SCENARIO = Scenario("consumer-crash", "the consuming process is SIGKILLed 5 times mid-batch (seed 001)", run)
+SCENARIO = Scenario("consumer-crash", "L6 consumer crash: the consuming process is SIGKILLed 5 times mid-batch", run)

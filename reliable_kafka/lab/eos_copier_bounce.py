@@ -544,8 +544,8 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
 
 SCENARIO = Scenario(
     name=NAME,
-    description="a Kafka-to-Kafka copier is SIGKILLed 3 times mid-copy: at-least-once copier vs "
-    "TransactionalProcessor (seed 002)",
+    description="L8 copier crash: a Kafka-to-Kafka copier is SIGKILLed 3 times mid-copy: at-least-once copier "
+    "vs TransactionalProcessor",
     run=run,
 )
 

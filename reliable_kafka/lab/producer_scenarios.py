@@ -329,10 +329,12 @@ def _producer_crash_once(cluster: LocalKafkaCluster, name: str, client: str, rng
 
 
 SCENARIOS = [
-    Scenario("acks1-leader-loss", "acks=1: the leader acknowledges alone and dies (seed 000)", acks1_leader_loss),
-    Scenario("unclean-election", "min ISR 1 + unclean election: even acks=all loses (seeds 001, 003)",
+    Scenario("acks1-leader-loss", "L1 acks=1 leader loss: the leader acknowledges alone and dies", acks1_leader_loss),
+    Scenario("unclean-election", "L2 min ISR 1 + unclean election: even acks=all loses",
              unclean_election, needs=("5-node cluster",)),
-    Scenario("leader-hard-bounce", "the partition leader is SIGKILLed 3 times mid-stream", leader_hard_bounce),
-    Scenario("leader-pause", "the leader freezes past its session timeout and truncates (seed 000)", leader_pause),
-    Scenario("producer-crash", "the producing process is SIGKILLed 5 times (seed 001)", producer_crash),
+    Scenario("leader-hard-bounce", "L1 leader hard bounce: the partition leader is SIGKILLed 3 times mid-stream",
+             leader_hard_bounce),
+    Scenario("leader-pause", "L1 leader pause: the leader freezes past its session timeout and truncates",
+             leader_pause),
+    Scenario("producer-crash", "L4 producer crash: the producing process is SIGKILLed 5 times", producer_crash),
 ]

@@ -91,8 +91,9 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
 
 SCENARIO = Scenario(
     name=NAME,
-    description="Spark write tasks fail after writing half their rows and are retried: Spark's Kafka sink "
-    "duplicates them, reliable_kafka exactly_once writes each row once (at_least_once: copies share an rk-id)",
+    description="L9 Spark task retry: write tasks fail after writing half their rows and are retried: Spark's "
+    "Kafka sink duplicates them, reliable_kafka exactly_once writes each row once (at_least_once: copies share "
+    "an rk-id)",
     run=run,
     needs=("spark",),
 )
