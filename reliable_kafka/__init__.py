@@ -5,6 +5,7 @@ The public API is what this module exports; everything else is internal.
 
 from typing import TYPE_CHECKING
 
+from reliable_kafka.admin import ensure_topic
 from reliable_kafka.consumer import CommitPolicy, DeadLetterPolicy, DedupPolicy, ReliableConsumer
 from reliable_kafka.dedup import ClaimResult, DedupStore, SQLiteDedupStore
 from reliable_kafka.errors import (
@@ -32,6 +33,7 @@ from reliable_kafka.errors import (
     RetryInterrupted,
     SerializationError,
     TopicConfigError,
+    TopicMissing,
     TransactionFailed,
     TransactionFenced,
     Unavailable,
@@ -71,6 +73,7 @@ __all__ = [
     "ReliableConsumer",
     "RedisDedupStore",
     "ReliableProducer",
+    "ensure_topic",
     "RetryPolicy",
     "SQLiteDedupStore",
     "Sent",
@@ -101,6 +104,7 @@ __all__ = [
     "RetryInterrupted",
     "SerializationError",
     "TopicConfigError",
+    "TopicMissing",
     "TransactionFailed",
     "TransactionFenced",
     "Unavailable",

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient, ConfigResource
+from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from reliable_kafka.errors import ClusterUnreachable, TopicConfigError
+from reliable_kafka.config import connection_settings
+from reliable_kafka.errors import ClusterUnreachable, ConfigError, TopicConfigError
 from reliable_kafka.retry import retry_kafka_call
 
 log = logging.getLogger(__name__)
@@ -130,3 +132,56 @@ def preflight(admin: AdminClient, topic: str, *, mode: str = "error", timeout: f
             raise TopicConfigError(topic, problems)
         log.warning("topic %r cannot keep acks=all durable: %s", topic, "; ".join(problems))
     return durability
+
+
+def ensure_topic(config: Mapping[str, Any], topic: str, *, partitions: int = 3,
+                 replication_factor: int | None = None, min_insync_replicas: int | None = None,
+                 timeout: float = 30.0) -> TopicDurability:
+    """Create `topic` with settings that keep acks=all durable, unless it exists; returns what it has.
+
+    `config` is a client configuration (only its connection settings are used). A new topic gets
+    replication factor 3 and min.insync.replicas 2, or as much as the cluster can hold: on fewer than
+    3 brokers it is created with what there is, and a WARNING says the preflight will refuse it. An
+    existing topic is left as it is (never altered): its problems, if any, are logged at WARNING.
+
+    Raises ClusterUnreachable when no broker answers, ConfigError for impossible settings.
+    """
+    if "bootstrap.servers" not in config:
+        raise ConfigError("bootstrap.servers", "ensure_topic needs the brokers' addresses")
+    admin = admin_client(config["bootstrap.servers"], connection_settings(config))
+    existing = describe_topic(admin, topic, timeout)
+    if existing is not None:
+        if existing.problems():
+            log.warning("topic %r exists and cannot keep acks=all durable: %s", topic, "; ".join(existing.problems()))
+        return existing
+    try:
+        brokers = len(admin.list_topics(timeout=timeout).brokers)
+    except KafkaException as exc:
+        raise ClusterUnreachable(f"no broker answered a metadata request within {timeout:.0f}s: {exc}") from exc
+    rf = replication_factor if replication_factor is not None else min(MIN_REPLICATION_FACTOR, brokers)
+    isr = min_insync_replicas if min_insync_replicas is not None else min(MIN_INSYNC_REPLICAS, rf)
+    if not 1 <= isr <= rf <= brokers:
+        raise ConfigError("replication_factor", f"topic {topic!r}: replication factor {rf} and min.insync.replicas "
+                          f"{isr} do not fit a cluster of {brokers} broker(s) (need 1 <= min ISR <= RF <= brokers)")
+    future = admin.create_topics([NewTopic(topic, partitions, rf, config={"min.insync.replicas": str(isr)})],
+                                 operation_timeout=timeout)[topic]
+    try:
+        future.result(timeout)
+    except KafkaException as exc:
+        if exc.args[0].code() != KafkaError.TOPIC_ALREADY_EXISTS:  # created meanwhile by someone else: fine
+            raise
+    created = None
+    deadline = time.monotonic() + timeout
+    while created is None:  # a new topic reaches every broker's metadata a moment after it is created
+        if time.monotonic() > deadline:
+            raise ClusterUnreachable(f"topic {topic!r} was created but did not appear in metadata in {timeout:.0f}s")
+        time.sleep(0.1)
+        created = describe_topic(admin, topic, timeout)
+    if created.problems():
+        log.warning("created topic %r with what a %d-broker cluster can hold, which cannot keep acks=all durable: "
+                    "%s; the producer's preflight will refuse it (preflight='warn' to proceed)", topic, brokers,
+                    "; ".join(created.problems()))
+    else:
+        log.info("created topic %r: %d partitions, replication factor %d, min.insync.replicas %d", topic,
+                 partitions, rf, isr)
+    return created

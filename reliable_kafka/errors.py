@@ -8,6 +8,7 @@ errors by what the caller does next, so one `except` clause can handle a whole b
     ├── InputRefused                   refused before anything was written: fix the input, call again
     │   ├── ConfigError                (also ValueError) a setting is unsafe or invalid
     │   ├── TopicConfigError           the preflight refused a topic's replication settings
+    │   │   └── TopicMissing           the topic does not exist (create it: reliable_kafka.ensure_topic)
     │   ├── SerializationError         (also TypeError) a key or value is not bytes, or its serializer failed
     │   ├── DeserializationError       (also ValueError) a record's key or value could not be decoded (poison)
     │   └── WriteRefused               a Spark exactly-once write's input changed under its write id
@@ -95,6 +96,20 @@ class TopicConfigError(InputRefused):
             f"topic {topic!r} cannot keep acks=all durable: "
             + "; ".join(problems)
             + " (fix the topic, or pass preflight='warn' to proceed anyway)",
+            topic=topic,
+        )
+
+
+class TopicMissing(TopicConfigError):
+    """The topic does not exist (the brokers do not create topics on first use): create it first."""
+
+    def __init__(self, topic: str) -> None:
+        self.problems = ["it does not exist"]
+        InputRefused.__init__(
+            self,
+            f"topic {topic!r} does not exist: create it with reliable_kafka.ensure_topic(config, {topic!r}) "
+            f"(replication factor 3, min.insync.replicas=2), or kafka-topics.sh --create --topic {topic} "
+            "--replication-factor 3 --config min.insync.replicas=2",
             topic=topic,
         )
 

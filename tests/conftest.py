@@ -24,7 +24,8 @@ pytest_plugins = [
 _CLUSTER_FIXTURES = frozenset({"kafka", "kafka_session", "make_topic", "weak_cluster", "spark", "spark_session",
                                "kafka_connector"})
 # Integration modules that share the Spark tests' worker, to balance the two (measured wall times).
-_WITH_SPARK = frozenset({"test_doctor.py", "test_examples.py", "test_dedup_consumer.py", "test_telemetry.py"})
+_WITH_SPARK = frozenset({"test_doctor.py", "test_examples.py", "test_first_contact.py", "test_dedup_consumer.py",
+                         "test_telemetry.py"})
 
 
 # tryfirst: xdist reads the groups in its own hook of the same name.

@@ -44,6 +44,7 @@ class Fetcher:
         # The last tracked batch, grouped: offsets per partition and each partition's epoch.
         self.fetched: dict[tuple[str, int], list[int]] = {}
         self.epochs: dict[tuple[str, int], int] = {}
+        self._missing_warned: set[str | None] = set()  # subscribed topics found missing, said once each
 
     def step(self, strategy: Strategy) -> None:
         """One pass: run the held records, or fetch a batch, or wait paused while the backlog is full."""
@@ -80,6 +81,9 @@ class Fetcher:
                     continue
                 if err.fatal():
                     raise KafkaException(err)
+                if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
+                    self._missing_topic(msg.topic())
+                    continue
                 log.warning("consumer error: %s", describe(err))
                 continue
             topic, partition = msg.topic(), msg.partition()
@@ -90,6 +94,18 @@ class Fetcher:
         self.epochs = {tp: self._tracker.track_many(tp[0], tp[1], offs) for tp, offs in by_tp.items()}
         self.fetched = by_tp
         return [m for m in msgs if m.error() is None] if errors else msgs
+
+    def _missing_topic(self, topic: str | None) -> None:
+        # librdkafka repeats "Subscribed topic not available" on every metadata refresh: said once, with
+        # the fix, since the consumer otherwise just reads nothing (it picks the topic up once created).
+        if topic in self._missing_warned:
+            log.debug("subscribed topic %r still does not exist", topic)
+            return
+        self._missing_warned.add(topic)
+        log.warning("subscribed topic %r does not exist, so nothing is read from it: create it with "
+                    "reliable_kafka.ensure_topic(config, %r) or kafka-topics.sh --create --topic %s "
+                    "--replication-factor 3 --config min.insync.replicas=2; it is read once it exists",
+                    topic, topic, topic)
 
     def work(self, msg: Message) -> Work:
         """A record of the last tracked batch, as Work."""

@@ -12,15 +12,17 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from reliable_kafka.admin import admin_client, describe_topic, preflight
+from reliable_kafka.admin import TopicDurability, admin_client, describe_topic, preflight
 from reliable_kafka.config import connection_settings
-from reliable_kafka.errors import ClusterUnreachable, TopicConfigError
+from reliable_kafka.errors import ClusterUnreachable, TopicConfigError, TopicMissing
 from reliable_kafka.spool import OutboxRow
 
 log = logging.getLogger(__name__)
 
 # How often a preflight that could not reach the cluster is tried again.
 PREFLIGHT_RETRY_S = 30.0
+# How long a topic missing from the metadata is looked for again before it is called missing.
+MISSING_TOPIC_GRACE_S = 2.0
 
 
 def record_size(value: bytes | None, key: bytes | None, headers: Sequence[tuple[str, bytes]]) -> int:
@@ -66,6 +68,8 @@ class TopicGuard:
         """
         try:
             described = preflight(self.admin(), topic, mode=self._mode, timeout=5)
+            if described is None and self._mode != "off":
+                described = self._missing(topic, deferred)
         except ClusterUnreachable as exc:
             if not deferred:
                 log.warning("preflight of topic %r deferred until a broker answers: %s", topic, exc)
@@ -83,6 +87,26 @@ class TopicGuard:
         if described is not None:
             self.limits[topic] = described.max_message_bytes
 
+    def _missing(self, topic: str, deferred: bool) -> TopicDurability | None:
+        """`topic` was not in the metadata: look again for a moment (a topic created just now reaches
+        every broker a little later), then refuse it (mode "error") or say so once (mode "warn").
+
+        Without this a message to a missing topic was accepted and failed minutes later as an unknown
+        topic, with nothing at the call that said what to do.
+        """
+        deadline = time.monotonic() + MISSING_TOPIC_GRACE_S
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            described = preflight(self.admin(), topic, mode=self._mode, timeout=5)
+            if described is not None:
+                return described
+        missing = TopicMissing(topic)
+        if self._mode == "error" and not deferred:
+            raise missing
+        log.warning("%s; its messages are accepted and fail as an unknown topic if it is still missing when "
+                    "librdkafka gives up", missing)
+        return None
+
     def check(self, topics: Iterable[str]) -> None:
         """Preflight `topics` now, waiting up to 10 s for a topic just created to appear in metadata.
 
@@ -94,7 +118,7 @@ class TopicGuard:
             # A topic created a moment ago may not be in every broker's metadata yet.
             while (described := preflight(admin, topic, mode=self._mode, timeout=10)) is None:
                 if time.monotonic() > deadline:
-                    raise TopicConfigError(topic, ["it does not exist (or has no leader yet)"])
+                    raise TopicMissing(topic)
                 time.sleep(0.2)
             self._deferred.pop(topic, None)
             self.seen.add(topic)

@@ -24,6 +24,7 @@ import ctypes.util
 import importlib.util
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
@@ -149,6 +150,25 @@ def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any
     return function
 
 
+# The librdkafka versions whose mock API (rdkafka_mock.h, not a stable ABI) these ctypes signatures were
+# checked against. The runtime dependency on confluent-kafka has no upper bound for this test tool's
+# sake: the mock refuses a librdkafka outside the range instead, saying what to do.
+TESTED_LIBRDKAFKA = ((2, 12), (2, 16))
+
+
+def check_librdkafka_version(version: str) -> None:
+    """Refuse a librdkafka whose mock API these signatures were not checked against (RK_MOCK_ANY_LIBRDKAFKA=1
+    tries anyway)."""
+    major_minor = tuple(int(x) for x in version.split(".")[:2])
+    low, high = TESTED_LIBRDKAFKA
+    if not low <= major_minor <= high and os.environ.get("RK_MOCK_ANY_LIBRDKAFKA") != "1":
+        raise ClusterError(
+            f"the mock cluster binds librdkafka's mock API through ctypes and was checked against librdkafka "
+            f"{low[0]}.{low[1]} to {high[0]}.{high[1]}; this is {version}: install confluent-kafka>={low[0]}.{low[1]},"
+            f"<{high[0]}.{high[1] + 1} where the mock tests run, or set RK_MOCK_ANY_LIBRDKAFKA=1 to try it anyway"
+        )
+
+
 class _Librdkafka:
     """ctypes signatures of the librdkafka functions the mock cluster needs (rdkafka.h, rdkafka_mock.h)."""
 
@@ -157,6 +177,8 @@ class _Librdkafka:
             lib = ctypes.CDLL(path)
         except OSError as exc:
             raise ClusterError(f"cannot load librdkafka from {path}: {exc}") from exc
+        # The version of the library loaded here (a system one may differ from the binding's).
+        check_librdkafka_version(_bind(lib, "rd_kafka_version_str", ctypes.c_char_p, [])().decode())
         p, s, i, i16, i32 = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int16, ctypes.c_int32
         size = ctypes.c_size_t
         self.path = path

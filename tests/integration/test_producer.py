@@ -279,8 +279,10 @@ def test_message_over_client_limit_raises_and_is_kept_as_failed(kafka, make_topi
 
 
 def test_unknown_topic_is_kept_as_failed(kafka, tmp_path) -> None:
+    # preflight="warn" accepts a missing topic (the default refuses it: test_first_contact.py); its
+    # message is then kept as failed, never dropped.
     conf = {"bootstrap.servers": kafka.bootstrap_servers, "topic.metadata.propagation.max.ms": 2000}
-    with ReliableProducer(conf, outbox_path=tmp_path / "o.db") as p:
+    with ReliableProducer(conf, outbox_path=tmp_path / "o.db", preflight="warn") as p:
         sent = p.send("no-such-topic-here", b"lost?")
         assert p.flush(30) == 0
         failed = p.failed()

@@ -387,3 +387,16 @@ def test_a_failed_asynchronous_commit_is_retried_synchronously(cluster: MockClus
     finally:
         reader.close()
     assert committed[0].offset == 200
+
+
+def test_the_mock_refuses_a_librdkafka_it_was_not_checked_against(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reliable_kafka.errors import ClusterError
+    from reliable_kafka.testing.mock_server import check_librdkafka_version
+
+    monkeypatch.delenv("RK_MOCK_ANY_LIBRDKAFKA", raising=False)
+    check_librdkafka_version("2.12.1")
+    check_librdkafka_version("2.16.9")
+    with pytest.raises(ClusterError, match=r"this is 2\.17\.0: install confluent-kafka>=2\.12,<2\.17"):
+        check_librdkafka_version("2.17.0")
+    monkeypatch.setenv("RK_MOCK_ANY_LIBRDKAFKA", "1")
+    check_librdkafka_version("2.17.0")  # tried anyway, as asked
