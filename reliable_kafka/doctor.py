@@ -101,19 +101,30 @@ def diagnose(admin: AdminClient, *, timeout: float = 10.0, include_ok: bool = Tr
                                     f"{rf_key}={rf}: {topic} is created with {rf} replica(s); one broker down "
                                     "stops every consumer group / transaction (failure mode L3)",
                                     f"set {rf_key}=3 on every broker (before {topic} is created)"))
+        else:  # every check that passed is listed too (doctor --all), so a clean report says what it checked
+            findings.append(Finding(OK, rf_key, f"broker {any_broker}", f"{rf_key}={rf}: {topic} is created with "
+                                    f"{rf} replicas", ""))
         if isr_key is not None and int(bconf.get(isr_key, "2")) < MIN_INSYNC_REPLICAS:
             findings.append(Finding(CRITICAL, isr_key, f"broker {any_broker}",
                                     f"{isr_key}={bconf.get(isr_key)}: transaction state is acknowledged by one "
                                     "replica", f"set {isr_key}=2 on every broker"))
+        elif isr_key is not None:
+            findings.append(Finding(OK, isr_key, f"broker {any_broker}", f"{isr_key}={bconf.get(isr_key, '2')}", ""))
     if str(bconf.get("unclean.leader.election.enable", "false")).lower() == "true":
         findings.append(Finding(CRITICAL, "unclean.leader.election.enable", f"broker {any_broker}",
                                 "unclean election is on by default for every topic",
                                 "set unclean.leader.election.enable=false on every broker"))
+    else:
+        findings.append(Finding(OK, "unclean.leader.election.enable", f"broker {any_broker}",
+                                "unclean election is off by default", ""))
     if int(bconf.get("min.insync.replicas", "1")) < MIN_INSYNC_REPLICAS:
         findings.append(Finding(WARNING, "min.insync.replicas", f"broker {any_broker}",
                                 f"the broker default min.insync.replicas={bconf.get('min.insync.replicas')} "
                                 "applies to every topic that does not override it",
                                 "set min.insync.replicas=2 on every broker"))
+    else:
+        findings.append(Finding(OK, "min.insync.replicas", f"broker {any_broker}",
+                                f"the broker default min.insync.replicas={bconf.get('min.insync.replicas')}", ""))
     for name, t in sorted(md.topics.items()):
         offline = [p for p, pm in t.partitions.items() if pm.leader < 0]
         if offline:

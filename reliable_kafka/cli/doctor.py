@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import click
+from rich.markup import escape
 
 from reliable_kafka.admin import admin_client
 from reliable_kafka.cli.cluster import default_state_file
@@ -41,7 +42,8 @@ def doctor(bootstrap_servers: str | None, as_json: bool, show_ok: bool) -> None:
         shown = findings if show_ok else [f for f in findings if f.severity != "ok"]
         if shown:
             table("doctor", ["severity", "check", "subject", "detail", "fix"],
-                  [[_STYLE.get(f.severity, f.severity), f.check, f.subject, f.detail, f.fix] for f in shown])
+                  [[_STYLE.get(f.severity, f.severity), *(escape(v) for v in (f.check, f.subject, f.detail, f.fix))]
+                   for f in shown], markup=True)
         else:
             click.echo(f"no problems found ({len(findings)} checks passed)")
     if any(f.severity == CRITICAL for f in findings):

@@ -15,7 +15,9 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 console = Console(stderr=True)  # progress and status lines: never mixed into what stdout carries
 err_console = Console(stderr=True, soft_wrap=True)
@@ -58,19 +60,25 @@ def check_writable(path: str | None) -> None:
         fail(f"cannot write to {path}: {exc.strerror or exc}")
 
 
-def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, to_stderr: bool = False) -> None:
-    """Print a results table on stdout (on stderr with `to_stderr`, e.g. when stdout carries JSON)."""
+def table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], *, to_stderr: bool = False,
+          markup: bool = False) -> None:
+    """Print a results table on stdout (on stderr with `to_stderr`, e.g. when stdout carries JSON).
+
+    Cells are text, not rich markup (`pip install 'reliable-kafka[spark]'` keeps its `[spark]`), unless
+    `markup` says the caller styled them.
+    """
     cells = [["" if v is None else str(v) for v in r] for r in rows]
     target = console if to_stderr else out_console
     if not target.is_terminal:
-        target.file.write(plain_table(title, columns, cells))
+        plain = [[Text.from_markup(c).plain for c in r] for r in cells] if markup else cells
+        target.file.write(plain_table(title, columns, plain))
         target.file.flush()
         return
     t = Table(title=title)
     for c in columns:
         t.add_column(c)
     for r in cells:
-        t.add_row(*r)
+        t.add_row(*(r if markup else [escape(c) for c in r]))
     target.print(t)
 
 

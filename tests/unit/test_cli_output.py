@@ -60,7 +60,7 @@ def test_a_lab_scenario_whose_extra_is_missing_is_skipped_not_a_loss(monkeypatch
     data = json.loads(result.stdout)  # stdout carries the JSON alone: the table went to stderr
     assert data["skipped"] == {"spark-task-retry": "needs pyspark: pip install 'reliable-kafka[spark]'"}
     assert data["scenarios"] == [] and data["exit_code"] == 0
-    assert "skipped (needs pyspark" in result.stderr
+    assert "skipped (needs pyspark: pip install 'reliable-kafka[spark]')" in result.stderr
 
 
 def test_log_records_of_a_run_go_to_its_log_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
