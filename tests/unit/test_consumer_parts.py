@@ -4,6 +4,7 @@ and the rebalance handler forgetting what each part keeps for a released partiti
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,3 +90,18 @@ def test_counters_take_increments_from_many_threads() -> None:
     for t in threads:
         t.join()
     assert p.counters.snapshot() == {"handled": 80_000}
+
+
+def test_a_missing_subscribed_topic_is_said_once_with_the_fix_however_often_librdkafka_repeats_it(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from confluent_kafka import KafkaError
+
+    p = parts()
+    missing = [Message(topic="nope", error=KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))]
+    with caplog.at_level(logging.DEBUG, logger="reliable_kafka.consumer.fetcher"):
+        for offset in range(5):  # e.g. after each rebalance or metadata refresh, beside real records
+            kept = p.fetcher.track(missing + batch((0, offset)))
+            assert [m.offset() for m in kept] == [offset]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "'nope' does not exist" in warnings[0] and "ensure_topic" in warnings[0]
+    assert sum("still does not exist" in r.getMessage() for r in caplog.records) == 4
