@@ -53,25 +53,31 @@ def _external(module: str, function: str, *args: Any) -> list[BenchRow]:
 
 
 def plot(rows: list[BenchRow], path: str) -> None:
+    """A horizontal bar per variant (labels never overlap), its ratio written at the bar's end, the
+    target as a tick on the bar's row, the baseline named in the label."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     shown = [r for r in rows if r.variant != r.baseline]
-    labels = [f"{r.name}\n{r.variant}" for r in shown]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(shown)), 4.5))
-    colors = ["tab:green" if r.ratio_vs_baseline >= TARGETS.get((r.name, r.variant), 0) else "tab:red"
-              for r in shown]
-    ax.bar(range(len(shown)), [r.ratio_vs_baseline for r in shown], color=colors)
-    for i, r in enumerate(shown):
+    labels = [f"{r.name}: {r.variant}\nvs {r.baseline}" for r in shown]
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(shown) + 1.5))
+    ys = range(len(shown))
+    colors = ["tab:grey" if (r.name, r.variant) not in TARGETS  # a reference row, no target
+              else "tab:green" if r.ratio_vs_baseline >= TARGETS[(r.name, r.variant)] else "tab:red" for r in shown]
+    ax.barh(ys, [r.ratio_vs_baseline for r in shown], color=colors, height=0.6)
+    for y, r in zip(ys, shown, strict=True):
         target = TARGETS.get((r.name, r.variant))
         if target is not None:
-            ax.hlines(target, i - 0.4, i + 0.4, colors="black", linestyles="dashed")
-        ax.text(i, r.ratio_vs_baseline + 0.02, f"{r.ratio_vs_baseline:.2f}×", ha="center", fontsize=8)
-    ax.set_xticks(range(len(shown)), labels, fontsize=8)
-    ax.set_ylabel("throughput vs baseline (same run)")
-    ax.set_title("reliable-kafka benchmarks (dashed: target)")
+            ax.vlines(target, y - 0.4, y + 0.4, colors="black", linestyles="dashed")
+        ax.text(r.ratio_vs_baseline + 0.02, y, f"{r.ratio_vs_baseline:.2f}×", va="center", fontsize=8)
+    ax.set_yticks(list(ys), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlim(0, max([1.1, *(r.ratio_vs_baseline + 0.15 for r in shown)]))
+    ax.set_xlabel("throughput vs its baseline in the same run (1.0 = as fast)")
+    ax.set_title("reliable-kafka benchmarks\ndashed tick: target; green: met, red: missed, grey: reference", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
