@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -30,8 +31,18 @@ TARGETS: dict[tuple[str, str], float] = {
 }
 
 
+# A run shorter than this measures start-up and scheduling more than throughput: its ratio is noise.
+SHORT_RUN_S = 5.0
+
+
 @dataclass(frozen=True)
 class BenchRow:
+    """One variant's result: the median of its interleaved runs, their spread, and every run's figure.
+
+    `ratio_vs_baseline` is the median of the per-round ratios (each run against the baseline's run of
+    the same round), so a slow minute of the brokers that hit one round does not decide the ratio.
+    """
+
     name: str
     variant: str
     messages: int
@@ -39,13 +50,36 @@ class BenchRow:
     baseline: str
     ratio_vs_baseline: float
     peak_rss_mb: float
+    runs: tuple[float, ...] = ()  # msgs/s of every run, in round order
+    ratio_min: float | None = None
+    ratio_max: float | None = None
+
+    @property
+    def shortest_run_s(self) -> float:
+        fastest = max(self.runs) if self.runs else self.msgs_per_s
+        return self.messages / fastest if fastest else 0.0
+
+    @property
+    def short(self) -> bool:
+        """Its fastest run lasted under SHORT_RUN_S: more messages are needed for a ratio to mean much."""
+        return self.shortest_run_s < SHORT_RUN_S
 
     def as_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["msgs_per_s"] = round(self.msgs_per_s, 1)
         d["ratio_vs_baseline"] = round(self.ratio_vs_baseline, 3)
         d["peak_rss_mb"] = round(self.peak_rss_mb, 1)
+        d["runs"] = [round(r, 1) for r in self.runs]
+        for k in ("ratio_min", "ratio_max"):
+            d[k] = None if d[k] is None else round(d[k], 3)
+        d["shortest_run_s"] = round(self.shortest_run_s, 2)
         return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> BenchRow:
+        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
+        known["runs"] = tuple(known.get("runs", ()))
+        return cls(**known)
 
 
 def peak_rss_mb() -> float:
@@ -67,11 +101,46 @@ def run_variant(bench: str, variant: str, args: Sequence[str], timeout: float = 
     return result
 
 
-def rows_against(name: str, baseline: str, results: dict[str, dict[str, Any]], messages: int) -> list[BenchRow]:
-    """Turn {variant: {"msgs_per_s", "peak_rss_mb"}} into rows with ratios against `baseline`."""
-    base = results[baseline]["msgs_per_s"]
-    return [
-        BenchRow(name, variant, messages, r["msgs_per_s"], baseline, r["msgs_per_s"] / base if base else 0.0,
-                 r["peak_rss_mb"])
-        for variant, r in results.items()
-    ]
+def rows_against(name: str, baseline: str, runs: dict[str, list[dict[str, Any]]], messages: int) -> list[BenchRow]:
+    """Rows from {variant: [run, ...]} (each run {"msgs_per_s", "peak_rss_mb"}, round i of every variant
+    measured back to back): each variant's median, its spread, and the median of its per-round ratios."""
+    base_runs = [r["msgs_per_s"] for r in runs[baseline]]
+    rows = []
+    for variant, results in runs.items():
+        rates = [r["msgs_per_s"] for r in results]
+        ratios = [rate / base for rate, base in zip(rates, base_runs, strict=False) if base]
+        rows.append(BenchRow(
+            name, variant, messages, statistics.median(rates), baseline,
+            statistics.median(ratios) if ratios else 0.0, max(r["peak_rss_mb"] for r in results),
+            tuple(rates), min(ratios) if ratios else None, max(ratios) if ratios else None,
+        ))
+    return rows
+
+
+def run_facts(*, messages: int, repeat: int, nodes: int, load_before: tuple[float, float, float],
+              local_cluster: bool) -> dict[str, Any]:
+    """What a reader needs to judge a run's figures: the host, its load before and after, versions."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    import confluent_kafka
+
+    def installed(package: str) -> str | None:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return None
+
+    from reliable_kafka.testing.jars import KAFKA_VERSION
+
+    return {
+        "messages": messages,
+        "rounds": repeat,
+        "cluster_nodes": nodes,
+        "host": {"cores": os.cpu_count(), "load_before": [round(x, 2) for x in load_before],
+                 "load_after": [round(x, 2) for x in os.getloadavg()]},
+        "versions": {"reliable_kafka": installed("reliable-kafka"), "confluent_kafka": confluent_kafka.version()[0],
+                     "librdkafka": confluent_kafka.libversion()[0], "python": platform.python_version(),
+                     # The brokers' version is known for the cluster the bench started; not for one it was given.
+                     "kafka": KAFKA_VERSION if local_cluster else None, "pyspark": installed("pyspark")},
+    }

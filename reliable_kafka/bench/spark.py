@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from reliable_kafka.bench.common import rows_against
+
 log = logging.getLogger(__name__)
 
 BASELINE = "spark_kafka_sink"
@@ -56,12 +58,12 @@ def run_spark_bench(
     rows: int,
     create_topic: Callable[[str, int], None],
     *,
-    rounds: int = 2,
+    rounds: int = 3,
 ) -> list[dict[str, Any]]:
     """Measure Spark's Kafka sink, our at_least_once and our exactly_once writer on `rows` rows.
 
     Returns one row per variant: the baseline (ratio 1.0), ours, and Spark's sink with our writer's
-    batching settings for context. msgs_per_s is the best of `rounds`.
+    batching settings for context. msgs_per_s is the median of `rounds` (each round runs every variant).
     """
     from pyspark.sql import functions as F
 
@@ -110,8 +112,7 @@ def run_spark_bench(
             log.info("bench spark: warming up %s", name)
             write(warm, fresh_topic())
 
-        best: dict[str, float] = {}
-        peaks: dict[str, float] = {}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
         for round_no in range(rounds):
             for name, write in variants.items():
                 topic = fresh_topic()
@@ -121,19 +122,7 @@ def run_spark_bench(
                     seconds = time.perf_counter() - started
                 rate = rows / seconds
                 log.info("bench spark round %d: %s %.0f msgs/s (%.1fs)", round_no + 1, name, rate, seconds)
-                best[name] = max(best.get(name, 0.0), rate)
-                peaks[name] = max(peaks.get(name, 0.0), peak[0])
+                runs[name].append({"msgs_per_s": rate, "peak_rss_mb": peak[0]})
     finally:
         spark.stop()
-    return [
-        {
-            "name": "spark",
-            "variant": name,
-            "messages": rows,
-            "msgs_per_s": round(best[name], 1),
-            "baseline": BASELINE,
-            "ratio_vs_baseline": round(best[name] / best[BASELINE], 3),
-            "peak_rss_mb": round(peaks[name], 1),
-        }
-        for name in variants
-    ]
+    return [row.as_json() for row in rows_against("spark", BASELINE, runs, rows)]

@@ -27,8 +27,8 @@ def _args(bootstrap: str, topic: str, n: int, *extra: str) -> list[str]:
 
 
 def _interleaved(bench: str, variants: tuple[str, ...], args: Callable[[], list[str]], repeat: int,
-                 progress: Progress) -> dict[str, dict[str, Any]]:
-    """Each variant's best of `repeat` runs, the variants taking turns (A B C, A B C, ...).
+                 progress: Progress) -> dict[str, list[dict[str, Any]]]:
+    """Every variant's `repeat` runs, the variants taking turns (A B C, A B C, ...).
 
     Taking turns, rather than A A B B, spreads a slow or fast minute of the brokers over every variant
     instead of handing it to one of them.
@@ -38,7 +38,7 @@ def _interleaved(bench: str, variants: tuple[str, ...], args: Callable[[], list[
         for variant in variants:
             progress(f"{bench}/{variant}" + (f" ({round_ + 1}/{repeat})" if repeat > 1 else ""))
             runs[variant].append(run_variant(bench, variant, args()))
-    return {v: max(r, key=lambda x: x["msgs_per_s"]) for v, r in runs.items()}
+    return runs
 
 
 def producer_bench(bootstrap: str, create_topic: CreateTopic, messages: int, progress: Progress,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ import click
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from reliable_kafka.admin import admin_client
-from reliable_kafka.bench.common import TARGETS, BenchRow
+from reliable_kafka.bench.common import SHORT_RUN_S, TARGETS, BenchRow, run_facts
 from reliable_kafka.bench.suites import consumer_bench, dedup_bench, producer_bench
 from reliable_kafka.cli.output import check_writable, console, emit_json, fail, table
 from reliable_kafka.cli.runlog import chatter_to_file
@@ -46,10 +47,10 @@ def _create_topic_fn(bootstrap: str) -> Callable[[str, int], None]:
     return create
 
 
-def _external(module: str, function: str, *args: Any) -> list[BenchRow]:
+def _external(module: str, function: str, *args: Any, **kwargs: Any) -> list[BenchRow]:
     """The eos and spark suites return plain dict rows; they need optional parts."""
     fn = getattr(importlib.import_module(module), function)
-    return [BenchRow(**{k: r[k] for k in BenchRow.__dataclass_fields__}) for r in fn(*args)]
+    return [BenchRow.from_json(r) for r in fn(*args, **kwargs)]
 
 
 def plot(rows: list[BenchRow], path: str) -> None:
@@ -77,7 +78,8 @@ def plot(rows: list[BenchRow], path: str) -> None:
     ax.axvline(1.0, color="grey", linewidth=0.8)
     ax.set_xlim(0, max([1.1, *(r.ratio_vs_baseline + 0.15 for r in shown)]))
     ax.set_xlabel("throughput vs its baseline in the same run (1.0 = as fast)")
-    ax.set_title("reliable-kafka benchmarks\ndashed tick: target; green: met, red: missed, grey: reference", fontsize=10)
+    ax.set_title("reliable-kafka benchmarks\ndashed tick: target; green: met, red: missed, grey: reference",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -88,8 +90,9 @@ def plot(rows: list[BenchRow], path: str) -> None:
 @click.option("--messages", type=click.IntRange(min=1000), default=None,
               help="Messages per variant (default: 1,000,000; spark rows: the same).")
 @click.option("--bootstrap-servers", default=None, help="Benchmark against these brokers instead of a local cluster.")
-@click.option("--repeat", type=click.IntRange(1, 5), default=1, show_default=True,
-              help="Run each variant N times and keep its best run.")
+@click.option("--repeat", type=click.IntRange(1, 9), default=3, show_default=True,
+              help="Interleaved rounds (A B C, A B C, ...) after a warm-up; each variant's median is reported, "
+                   "with its spread and every run in the JSON.")
 @click.option("--json", "json_path", default=None, metavar="PATH")
 @click.option("--plot", "plot_path", default=None, metavar="PATH", help="Write a PNG chart of the ratios.")
 def bench(which: str, messages: int | None, bootstrap_servers: str | None, repeat: int, json_path: str | None,
@@ -99,6 +102,7 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, repea
     check_writable(plot_path)
     n = messages or 1_000_000
     chosen = list(BENCHES) if which == "all" else [which]
+    load_before = os.getloadavg()
     with chatter_to_file("bench"):
         cluster = None
         if bootstrap_servers is None:
@@ -135,24 +139,36 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, repea
                             rows += dedup_bench(bootstrap_servers, create, n, progress, repeat)
                         elif b == "eos":
                             progress("eos")
-                            rows += _external("reliable_kafka.bench.eos", "run_eos_bench", bootstrap_servers, n, create)
+                            rows += _external("reliable_kafka.bench.eos", "run_eos_bench", bootstrap_servers, n, create,
+                                              repeat=repeat)
                         elif b == "spark":
                             progress("spark")
                             rows += _external("reliable_kafka.bench.spark", "run_spark_bench", bootstrap_servers, n,
-                                              create)
+                                              create, rounds=repeat)
                     except (ReliableKafkaError, RuntimeError, ModuleNotFoundError) as exc:
                         log.error("benchmark %s failed: %s", b, exc)
                         console.print(f"[red]benchmark {b} failed:[/] {exc}")
+            nodes = len(admin_client(bootstrap_servers).list_topics(timeout=10).brokers)
         finally:
             if cluster is not None:
                 cluster.stop()
-    table("benchmarks (ratios against a baseline in the same run, same brokers)",
-          ["benchmark", "variant", "messages", "msgs/s", "baseline", "ratio", "target", "peak RSS MB"],
-          [[r.name, r.variant, r.messages, f"{r.msgs_per_s:,.0f}", r.baseline, f"{r.ratio_vs_baseline:.2f}",
+    table(f"benchmarks: median of {repeat} interleaved round(s), ratios against a baseline in the same run",
+          ["benchmark", "variant", "messages", "msgs/s", "min–max", "baseline", "ratio", "ratio min–max", "target",
+           "peak RSS MB"],
+          [[r.name, r.variant, r.messages, f"{r.msgs_per_s:,.0f}",
+            f"{min(r.runs):,.0f}–{max(r.runs):,.0f}" if r.runs else "", r.baseline, f"{r.ratio_vs_baseline:.2f}",
+            "" if r.ratio_min is None or r.ratio_max is None else f"{r.ratio_min:.2f}–{r.ratio_max:.2f}",
             "" if (r.name, r.variant) not in TARGETS else f"≥ {TARGETS[(r.name, r.variant)]}",
             f"{r.peak_rss_mb:.0f}"] for r in rows], to_stderr=json_path == "-")
+    for r in rows:
+        if r.short:
+            log.warning("%s/%s: its fastest run lasted %.1f s", r.name, r.variant, r.shortest_run_s)
+            console.print(f"[yellow]note:[/] {r.name}/{r.variant} ran {r.shortest_run_s:.1f} s at its fastest: "
+                          f"under {SHORT_RUN_S:.0f} s the ratio is mostly noise; use more --messages")
     if json_path is not None:
-        emit_json({"benchmarks": [r.as_json() for r in rows]}, json_path)
+        emit_json({"benchmarks": [r.as_json() for r in rows],
+                   "run": run_facts(messages=n, repeat=repeat, nodes=nodes, load_before=load_before,
+                                          local_cluster=cluster is not None)}, json_path)
     if plot_path is not None and rows:
         plot(rows, plot_path)
     if not rows:
