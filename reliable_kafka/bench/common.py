@@ -139,7 +139,7 @@ def run_facts(*, messages: int, repeat: int, nodes: int, load_before: tuple[floa
         "cluster_nodes": nodes,
         "host": {"cores": os.cpu_count(), "load_before": [round(x, 2) for x in load_before],
                  "load_after": [round(x, 2) for x in os.getloadavg()]},
-        "versions": {"reliable_kafka": installed("reliable-kafka"), "confluent_kafka": confluent_kafka.version()[0],
+        "versions": {"reliable_kafka": installed("reliable-kafka"), "confluent_kafka": installed("confluent-kafka"),
                      "librdkafka": confluent_kafka.libversion()[0], "python": platform.python_version(),
                      # The brokers' version is known for the cluster the bench started; not for one it was given.
                      "kafka": KAFKA_VERSION if local_cluster else None, "pyspark": installed("pyspark")},

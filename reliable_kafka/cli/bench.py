@@ -160,11 +160,10 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, repea
             "" if r.ratio_min is None or r.ratio_max is None else f"{r.ratio_min:.2f}–{r.ratio_max:.2f}",
             "" if (r.name, r.variant) not in TARGETS else f"≥ {TARGETS[(r.name, r.variant)]}",
             f"{r.peak_rss_mb:.0f}"] for r in rows], to_stderr=json_path == "-")
-    for r in rows:
-        if r.short:
-            log.warning("%s/%s: its fastest run lasted %.1f s", r.name, r.variant, r.shortest_run_s)
-            console.print(f"[yellow]note:[/] {r.name}/{r.variant} ran {r.shortest_run_s:.1f} s at its fastest: "
-                          f"under {SHORT_RUN_S:.0f} s the ratio is mostly noise; use more --messages")
+    short = [f"{r.name}/{r.variant} {r.shortest_run_s:.1f} s" for r in rows if r.short]
+    if short:
+        console.print(f"[yellow]note:[/] {len(short)} variant(s) ran under {SHORT_RUN_S:.0f} s at their fastest "
+                      f"({', '.join(short)}): their ratios are mostly noise; use more --messages")
     if json_path is not None:
         emit_json({"benchmarks": [r.as_json() for r in rows],
                    "run": run_facts(messages=n, repeat=repeat, nodes=nodes, load_before=load_before,
