@@ -1,0 +1,40 @@
+"""LocalKafkaCluster's waits follow progress: a node visibly at work is waited for, a stalled one is not."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from reliable_kafka.errors import ClusterError
+from reliable_kafka.testing import LocalKafkaCluster
+
+
+def test_a_wait_moves_its_deadline_while_progress_changes_and_gives_up_once_it_stalls() -> None:
+    cluster = LocalKafkaCluster(brokers=3)  # not started: _wait needs no running node
+    started = time.monotonic()
+    ticks = iter(range(1_000_000))
+
+    def progress() -> int:  # at work for 1.2 s, then stalled
+        return next(ticks) if time.monotonic() - started < 1.2 else -1
+
+    with pytest.raises(ClusterError, match="without progress"):
+        cluster._wait(lambda: False, 0.5, "a test condition", progress=progress, cap=10)
+    waited = time.monotonic() - started
+    assert 1.6 <= waited < 3.5, waited  # 1.2 s of progress, then the 0.5 s bound from the last change
+
+
+def test_a_wait_that_keeps_progressing_stops_at_its_cap() -> None:
+    cluster = LocalKafkaCluster(brokers=3)
+    ticks = iter(range(1_000_000))
+    started = time.monotonic()
+    with pytest.raises(ClusterError, match="timed out after"):
+        cluster._wait(lambda: False, 0.5, "a test condition", progress=lambda: next(ticks), cap=1.5)
+    assert 1.4 <= time.monotonic() - started < 3.0
+
+
+def test_a_wait_returns_as_soon_as_its_condition_holds() -> None:
+    cluster = LocalKafkaCluster(brokers=3)
+    started = time.monotonic()
+    cluster._wait(lambda: time.monotonic() - started > 0.3, 5, "a test condition", progress=lambda: 0, cap=20)
+    assert time.monotonic() - started < 2
