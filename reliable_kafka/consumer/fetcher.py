@@ -96,8 +96,9 @@ class Fetcher:
         return [m for m in msgs if m.error() is None] if errors else msgs
 
     def _missing_topic(self, topic: str | None) -> None:
-        # librdkafka repeats "Subscribed topic not available" on every metadata refresh: said once, with
-        # the fix, since the consumer otherwise just reads nothing (it picks the topic up once created).
+        # librdkafka reports "Subscribed topic not available" as a consume error once per subscription,
+        # easy to miss among other logs while the consumer just reads nothing (it picks the topic up once
+        # created): said once per topic as a warning with the fix, repeats (a re-subscribe) at debug.
         if topic in self._missing_warned:
             log.debug("subscribed topic %r still does not exist", topic)
             return
