@@ -25,6 +25,13 @@ T = TypeVar("T")
 
 # The shortest timeout a transactional call gets when a graceful stop is nearly out of time.
 MIN_CALL_S = 1.0
+# A transactional call still inside librdkafka this long past its own timeout is hung, not slow:
+# librdkafka 2.x can wait forever in send_offsets_to_transaction() when the group coordinator went
+# away mid-call (its timeout is not checked on that path: librdkafka issues #5456 and #5511). Seen here
+# when a broker SIGKILL moved the coordinators: the commit thread sat in that call for minutes after
+# the broker was back, and the copy stopped. The grace covers what librdkafka legitimately adds to a
+# timeout (a request in flight when it expires).
+HUNG_GRACE_S = 15.0
 
 
 class Deadlines:
@@ -58,6 +65,33 @@ class Deadlines:
         return self.stop_by is not None and time.monotonic() >= self.stop_by
 
 
+class CallWatch:
+    """Which transactional call one thread is inside now, since when and with what timeout: the loop's
+    thread reads it to tell a slow commit (wait on) from a hung one (give it up, see HUNG_GRACE_S)."""
+
+    def __init__(self) -> None:
+        # One tuple, replaced whole: the loop's thread reads it without a lock while the committer writes.
+        self._current: tuple[str, float, float] | None = None
+
+    def enter(self, operation: str, timeout_s: float) -> None:
+        self._current = (operation, time.monotonic(), timeout_s)
+
+    def leave(self) -> None:
+        self._current = None
+
+    def hung(self) -> tuple[str, str] | None:
+        """(operation, what happened) when the current call is past its timeout plus HUNG_GRACE_S."""
+        current = self._current
+        if current is None:
+            return None
+        operation, started, timeout_s = current
+        running = time.monotonic() - started
+        if running <= timeout_s + HUNG_GRACE_S:
+            return None
+        return operation, (f"{operation} has not returned {running:.0f}s after it was called with a "
+                           f"{timeout_s:.0f}s timeout")
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
     """A transactional call failed for good; `step` says how to recover."""
@@ -70,8 +104,19 @@ class Failure:
         return f"{self.operation}: {kafka_errors.describe(self.error)} -> {self.step.value}"
 
 
-def call(operation: str, fn: Callable[[], T], deadlines: Deadlines, owner: str) -> T | Failure:
-    """Run one transactional call; retry it while next_step() says RETRY; a Failure if it never succeeds."""
+def call(operation: str, fn: Callable[[], T], deadlines: Deadlines, owner: str,
+         watch: CallWatch | None = None) -> T | Failure:
+    """Run one transactional call; retry it while next_step() says RETRY; a Failure if it never succeeds.
+
+    With a `watch`, each attempt is announced on it, so another thread can tell when the call is hung."""
+    attempt = fn
+    if watch is not None:
+        def attempt() -> T:
+            watch.enter(operation, deadlines.timeout())
+            try:
+                return fn()
+            finally:
+                watch.leave()
 
     def disposition(exc: KafkaException) -> Disposition:
         if deadlines.overdue():
@@ -80,7 +125,7 @@ def call(operation: str, fn: Callable[[], T], deadlines: Deadlines, owner: str) 
 
     try:
         return retry_kafka_call(
-            fn,
+            attempt,
             deadline_s=deadlines.retry_deadline(),
             what=f"{operation} ({owner})",
             classify=disposition,

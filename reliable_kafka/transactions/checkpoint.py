@@ -19,14 +19,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from reliable_kafka import kafka_errors, telemetry
 from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.errors import ReliableKafkaError, TransactionFailed
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.stats import Counters, Stats
-from reliable_kafka.transactions.calls import MIN_CALL_S, Deadlines, Failure, call
+from reliable_kafka.transactions.calls import MIN_CALL_S, CallWatch, Deadlines, Failure, call
 from reliable_kafka.transactions.client import TransactionalClient
 from reliable_kafka.transactions.committer import Committer
 from reliable_kafka.transactions.records import Batch, Out, TopicPartitionKey, out_headers
@@ -37,11 +37,19 @@ log = logging.getLogger("reliable_kafka.transactions")
 
 # How soon the loop looks again while a commit runs in the background: how soon its end is noticed.
 COMMIT_CHECK_S = 0.01
+# While the loop waits for a commit, how often it looks whether the commit's call is hung (CallWatch).
+_HUNG_CHECK_S = 1.0
 # Failed transactions in a row: the pause before the next try doubles from _BACKOFF_FIRST_S up to
 # _BACKOFF_MAX_S, and this many failures in a row stop the instance.
 _BACKOFF_FIRST_S = 0.05
 _BACKOFF_MAX_S = 5.0
 _MAX_FAILED_IN_A_ROW = 10
+
+
+class _Hung(Exception):  # noqa: N818 - a signal inside reap(), never raised out of it
+    def __init__(self, operation: str, reason: str) -> None:
+        super().__init__(reason)
+        self.operation, self.reason = operation, reason
 
 
 class Outcome(enum.Enum):
@@ -107,6 +115,7 @@ class Checkpoint:
         self._on_commit = on_commit
         self.consumer: Consumer | None = None
         self._committer: Committer | None = None
+        self._watch = CallWatch()  # the committer thread's current call, to tell slow from hung
         self.counters = Counters(STATS)
         self.broken: ReliableKafkaError | None = None
         self._failed_in_a_row = 0
@@ -124,6 +133,7 @@ class Checkpoint:
         # (a plain flag the committer sets: cheaper to read per record than Future.done()).
         self.committing: tuple[Future[Failure | None], CommitInfo] | None = None
         self._commit_over = False
+        self._current: Future[Failure | None] | None = None  # the commit _commit_over is about
         # Records processed while a commit was running, to be written into the next transaction.
         self.backlog = Batch()
         self._backlog_since = 0.0
@@ -140,8 +150,10 @@ class Checkpoint:
     def add(self, batch: Batch) -> Outcome:
         """Write processed records into the open transaction, or queue them while a commit runs; reap a
         finished commit; start a commit when the transaction is due. Sets when to look again."""
-        # A commit through (or a full backlog): the backlog goes in first.
-        if (self.committing is not None and (self._commit_over or self.backlog.messages >= self.max_batch)
+        # A commit through, a full backlog, or a hung commit (an idle input never fills the backlog):
+        # reap it; the backlog goes in first.
+        if (self.committing is not None
+                and (self._commit_over or self.backlog.messages >= self.max_batch or self._watch.hung())
                 and self.reap(wait=True) is Outcome.REWOUND):
             return Outcome.REWOUND
         now = time.monotonic()
@@ -219,15 +231,18 @@ class Checkpoint:
         metadata = consumer.consumer_group_metadata()
         self.clear()
         self._commit_over = False
-        future = committer.submit(self._end_transaction, producer, info.offsets, metadata)
+        future = committer.submit(self._end_transaction, producer, info.offsets, metadata, self._watch)
+        self._current = future
         future.add_done_callback(self._mark_commit_over)
         self.committing = (future, info)
 
-    def _mark_commit_over(self, _future: Future[Failure | None]) -> None:
-        self._commit_over = True
+    def _mark_commit_over(self, future: Future[Failure | None]) -> None:
+        # A commit given up as hung may still return, much later: it says nothing about the current one.
+        if future is self._current:
+            self._commit_over = True
 
     def _end_transaction(
-        self, producer: Producer, offsets: dict[TopicPartitionKey, int], metadata: Any
+        self, producer: Producer, offsets: dict[TopicPartitionKey, int], metadata: Any, watch: CallWatch
     ) -> Failure | None:
         """Commit a transaction: (1) its outputs, (2) its input offsets, (3) the end marker.
 
@@ -246,11 +261,11 @@ class Checkpoint:
             if partitions:
                 sent = call("send_offsets_to_transaction",
                             lambda: producer.send_offsets_to_transaction(partitions, metadata, timeout()),
-                            self.deadlines, self.transactional_id)
+                            self.deadlines, self.transactional_id, watch)
                 if isinstance(sent, Failure):
                     return sent
             done = call("commit_transaction", lambda: producer.commit_transaction(timeout()),
-                        self.deadlines, self.transactional_id)
+                        self.deadlines, self.transactional_id, watch)
             return done if isinstance(done, Failure) else None
 
     def reap(self, *, wait: bool) -> Outcome:
@@ -267,10 +282,14 @@ class Checkpoint:
                 # to socket.timeout.ms): a stop waits for it only until its own deadline.
                 failure = future.result(timeout=max(0.0, stop_by - time.monotonic()))
             else:
-                failure = future.result()
+                failure = self._result_unless_hung(future)
         except FutureTimeout:
             self.committing = None
             self.abandon("a commit still under way")
+            return Outcome.REWOUND
+        except _Hung as hung:
+            self.committing = None
+            self._give_up_hung(hung.operation, hung.reason)
             return Outcome.REWOUND
         self.committing = None
         if failure is not None:
@@ -289,6 +308,33 @@ class Checkpoint:
         backlog, self.backlog = self.backlog, Batch()
         # The batch began with the backlog, not now: the interval counts from its first record.
         return self.write(backlog, opened_at=self._backlog_since)
+
+    def _result_unless_hung(self, future: Future[Failure | None]) -> Failure | None:
+        """The commit's result, however long it takes, unless one of its librdkafka calls is hung."""
+        while True:
+            try:
+                return future.result(timeout=_HUNG_CHECK_S)
+            except FutureTimeout:
+                hung = self._watch.hung()
+                if hung is not None:
+                    raise _Hung(*hung) from None
+
+    def _give_up_hung(self, operation: str, reason: str) -> None:
+        """A commit's call will not return: leave it (and its thread) behind and start over from a new
+        producer, whose init_transactions fences the old one and aborts the transaction it left open.
+
+        Nothing is lost or doubled: the transaction never committed (its offsets with it), the consumer
+        is rewound to the committed offsets, and the old producer can commit nothing once fenced.
+        """
+        log.error("%s: %s; librdkafka does not return from it (a known librdkafka defect when a coordinator "
+                  "goes away): giving up that transaction and recreating the producer", self.transactional_id,
+                  reason)
+        # The old thread stays inside librdkafka (a daemon: it never holds up the exit); commits go on
+        # on a new one, watched afresh.
+        self._committer = Committer(f"rk-txn-commit-{self.transactional_id}")
+        self._watch = CallWatch()
+        self._current = None
+        self.recover(Failure(operation, TxnStep.RECREATE, KafkaException(KafkaError(KafkaError._TIMED_OUT, reason))))
 
     def settle(self, reason: str) -> None:
         """Commit everything processed so far and wait for it (on stop and before partitions go)."""

@@ -29,8 +29,10 @@ IN = ("in", 0)
 class FakeProducer:
     """Records the transactional calls; `fail[op]` lists the exceptions its next calls raise."""
 
-    def __init__(self, fail: dict[str, list[BaseException]], fatal: Any) -> None:
+    def __init__(self, fail: dict[str, list[BaseException]], fatal: Any,
+                 hang: dict[str, threading.Event] | None = None) -> None:
         self.calls: list[str] = []
+        self._hang = hang or {}  # op -> an event the call waits for: librdkafka not returning
         self.produced: list[tuple[Any, ...]] = []
         self.offsets_sent: list[list[TopicPartition]] = []
         self._fail = fail
@@ -38,6 +40,8 @@ class FakeProducer:
 
     def _call(self, op: str) -> None:
         self.calls.append(op)
+        if op in self._hang:
+            self._hang.pop(op).wait(60)
         if self._fail.get(op):
             raise self._fail[op].pop(0)
 
@@ -93,8 +97,9 @@ class Rig:
     """A started Checkpoint owning partition in[0], with its fakes."""
 
     def __init__(self, fail: dict[str, list[BaseException]] | None = None, *, fatal: KafkaError | None = None,
-                 max_batch: int = 100) -> None:
+                 max_batch: int = 100, hang: dict[str, threading.Event] | None = None) -> None:
         self.fail = fail or {}
+        self.hang = hang  # the first producer's calls that never return (until the event is set)
         self.fatal = fatal
         self.producers: list[FakeProducer] = []
         self.commits: list[CommitInfo] = []
@@ -112,7 +117,7 @@ class Rig:
         self.cp.owned.add(IN)
 
     def _client(self, config: dict[str, Any]) -> Any:
-        producer = FakeProducer(self.fail, (config["error_cb"], self.fatal))
+        producer = FakeProducer(self.fail, (config["error_cb"], self.fatal), self.hang if not self.producers else None)
         self.producers.append(producer)
         return producer
 
@@ -193,6 +198,46 @@ def test_a_commit_with_an_unknown_outcome_recreates_the_producer_then_rewinds() 
     assert rig.reap() is Outcome.REWOUND
     assert len(rig.producers) == 2 and rig.producers[1].calls == ["init_transactions"]
     assert rig.cp.counters.stats().producer_recreations == 1 and rig.consumer.seeks == [("in", 0, 3)]
+
+
+def test_a_commit_call_that_never_returns_is_given_up_and_the_next_producer_commits(monkeypatch) -> None:
+    """librdkafka #5456/#5511: send_offsets_to_transaction() may never return once the group coordinator went
+    away. The commit is given up once the call is HUNG_GRACE_S past its timeout: a new producer (fencing the
+    old one) and a rewind to the committed offsets; the next transaction commits on it."""
+    monkeypatch.setattr("reliable_kafka.transactions.calls.HUNG_GRACE_S", 0.3)
+    monkeypatch.setattr("reliable_kafka.transactions.checkpoint._HUNG_CHECK_S", 0.05)
+    release = threading.Event()
+    rig = Rig(hang={"send_offsets_to_transaction": release})
+    try:
+        rig.cp.write(batch(3, 4))
+        rig.cp.commit()
+        started = time.monotonic()
+        assert rig.reap() is Outcome.REWOUND
+        assert time.monotonic() - started < 5  # 0.2 s timeout + 0.3 s grace, not the 60 s of the hang
+        assert len(rig.producers) == 2 and rig.producers[1].calls == ["init_transactions"]
+        assert rig.consumer.seeks == [("in", 0, 3)] and rig.commits == []
+        assert rig.cp.counters.stats().producer_recreations == 1
+
+        rig.cp.write(batch(3, 4))  # redone from the committed offset, on the new producer
+        rig.cp.commit()
+        release.set()  # the old call returns late: it must not pass for the new commit
+        assert rig.reap() is Outcome.DONE
+        assert [c.offsets for c in rig.commits] == [{IN: 5}]
+        assert rig.producers[1].calls[-2:] == ["send_offsets_to_transaction", "commit_transaction"]
+    finally:
+        release.set()
+
+
+def test_a_slow_commit_call_within_its_grace_is_waited_for(monkeypatch) -> None:
+    monkeypatch.setattr("reliable_kafka.transactions.calls.HUNG_GRACE_S", 5.0)
+    monkeypatch.setattr("reliable_kafka.transactions.checkpoint._HUNG_CHECK_S", 0.05)
+    release = threading.Event()
+    rig = Rig(hang={"commit_transaction": release})
+    threading.Timer(1.0, release.set).start()  # returns after 1 s: past its 0.2 s timeout, inside the grace
+    rig.cp.write(batch(3))
+    rig.cp.commit()
+    assert rig.reap() is Outcome.DONE
+    assert len(rig.producers) == 1 and [c.offsets for c in rig.commits] == [{IN: 4}]
 
 
 def test_a_refused_output_aborts_and_is_reported_to_the_failure_stage() -> None:
