@@ -15,6 +15,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from itertools import pairwise
 
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
@@ -227,21 +228,33 @@ def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing
                     lag[0] = group_lag(bs, group, source.topic)
                     return lag[0] > 0 and uncommitted_records(bs, output) > 0
 
+                phases = [time.monotonic()]
                 fire_when(mid_copy, partial(kafka.kill, node), what=f"SIGKILL of broker {node}",
                           rearm=feeder.top_up_now, attempts=3, timeout_s=60)
+                phases.append(time.monotonic())
                 bounced_mid_copy += lag[0] > 0
                 wait_until(lambda: node not in kafka.registered_brokers(), 30, f"node {node} to be fenced")  # noqa: B023
+                phases.append(time.monotonic())
                 kafka.start_node(node)
+                phases.append(time.monotonic())
                 kafka.wait_healthy()
+                phases.append(time.monotonic())
+                # Where a slow run spends its time, in the log of every run.
+                log.info("bounce of broker %d (lag %d): armed in %.1fs, fenced in %.1fs, registered in %.1fs, "
+                         "healthy in %.1fs", node, lag[0], *(b - a for a, b in pairwise(phases)))
         finally:
             feeder.stop()  # after the last bounce: what was fed is final, and the copy can finish
         log.info("3 broker bounces mid-copy; %d records fed in %d top-ups", len(source.values), feeder.top_ups)
+        started = time.monotonic()
         wait_until(lambda: group_lag(bs, group, source.topic) == 0, 180, "the copy to finish")
+        log.info("the copy finished %.1fs after the last bounce", time.monotonic() - started)
     finally:
         # A graceful stop commits first; right after a coordinator moved, one transactional call may take
         # the processor's whole retry deadline (2 x 30 s), so the stop gets more than that.
+        started = time.monotonic()
         with ThreadPoolExecutor(len(eos)) as stopping:  # side by side: each stop is bounded on its own
             exit_codes = list(stopping.map(lambda c: c.stop(timeout=90), eos))
+        log.info("the copiers stopped in %.1fs", time.monotonic() - started)
         seen = reader.drain()
     values = source.values
     assert not any(c.events("failed") + c.events("fenced") for c in eos), \
