@@ -36,8 +36,9 @@ class OutboxLock:
             os.close(fd)
             raise OutboxLocked(
                 f"outbox {db_path} is owned by another producer (pid {holder}, lock file {self.path}); "
-                "one outbox file serves one process: give each producer its own outbox path, or stop "
-                "the other one (read-only tools such as `reliable-kafka outbox status` work meanwhile)"
+                "one outbox file serves one process: give each producer its own outbox path (or let the "
+                "processes of one server share outbox_dir=, a pool of slot files), or stop the other one "
+                "(read-only tools such as `reliable-kafka outbox status` work meanwhile)"
             ) from None
         except OSError as exc:
             os.close(fd)
