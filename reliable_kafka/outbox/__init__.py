@@ -8,7 +8,9 @@ Which file owns what:
 - front.py: ``Outbox``, the thread lock around the parts, the bound (``max_messages``/``max_bytes``) and
   the running totals it is checked against, and the public operations that compose the parts below.
 - file.py: opening a file for its owner or a read-only viewer, the connection, transactions, closing.
-- lock.py: one owner per file (the flock on ``<outbox>.lock``, ``OutboxLocked``).
+- lock.py: one owner per file (the flock on ``<outbox>.lock``, ``OutboxLocked``), and who owns it now.
+- pool.py: the outbox pool of ``outbox_dir=``: numbered slot files in one directory, claiming a free one,
+  finding the ones dead or retired processes left pending, and every slot's status.
 - schema.py: the on-disk layout (documented there), the format marker and version, check / create /
   upgrade.
 - sqlite_errors.py: SQLite failures as our errors (corrupt, read-only, full disk, I/O error).

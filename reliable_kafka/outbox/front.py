@@ -85,7 +85,9 @@ class Outbox:
         except BaseException:
             self._file.close()
             raise
-        log.info(
+        # A read-only open is a look (outbox status, the pool's scan for slots to adopt): not worth an INFO line.
+        log.log(
+            logging.DEBUG if read_only else logging.INFO,
             "outbox %s opened (%s%s): %d pending, %d failed",
             self.path,
             self.durability.value,

@@ -1,7 +1,7 @@
 """One owner per outbox file: an exclusive flock on `<outbox>.lock`, held for the Outbox's lifetime.
 
 A second opener, in this process or another, gets OutboxLocked naming the owner's pid; read-only
-viewers take no lock.
+viewers take no lock, and owner() tells who holds it without taking it.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ class OutboxLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            holder = _pid_in(fd)
             os.close(fd)
             raise OutboxLocked(
                 f"outbox {db_path} is owned by another producer (pid {holder}, lock file {self.path}); "
-                "one outbox file serves one process: give each producer its own outbox path, or stop "
-                "the other one (read-only tools such as `reliable-kafka outbox status` work meanwhile)"
+                "one outbox file serves one process: give each producer its own outbox path (or let the "
+                "processes of one server share outbox_dir=, a pool of slot files), or stop the other one "
+                "(read-only tools such as `reliable-kafka outbox status` work meanwhile)"
             ) from None
         except OSError as exc:
             os.close(fd)
@@ -50,3 +51,32 @@ class OutboxLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
+
+
+def _pid_in(fd: int) -> str:
+    """The pid an owner wrote into its lock file ("unknown" in the instant between its flock and its write)."""
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+
+
+def owner(db_path: Path) -> str | None:
+    """The pid (as written in `<outbox>.lock`) of the process that owns the outbox now, or None if none does.
+
+    Never creates the lock file and never takes the lock for more than an instant: a shared flock tried
+    without waiting, then dropped. An opener that tries the exclusive lock in that same instant gets
+    OutboxLocked as if the file were owned; the outbox pool treats that slot as taken and its adopter
+    looks again on its next scan, so nothing is left behind by it. The pid left in the file by a dead
+    owner is not reported: a lock nobody holds has no owner.
+    """
+    try:
+        fd = os.open(db_path.with_name(db_path.name + ".lock"), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _pid_in(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)

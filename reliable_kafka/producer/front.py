@@ -20,6 +20,8 @@ from reliable_kafka.deprecation import renamed, warn_deprecated
 from reliable_kafka.errors import ConfigError, DeliveryFailed, ProducerClosed
 from reliable_kafka.ids import new_ids
 from reliable_kafka.outbox import Outbox
+from reliable_kafka.outbox.pool import OutboxPool
+from reliable_kafka.producer.adopter import SlotAdopter
 from reliable_kafka.producer.dispatcher import Dispatcher
 from reliable_kafka.producer.messages import Headers, Message, Preparer, Sent, new_tuple, plain_rows
 from reliable_kafka.producer.topic_guard import TopicGuard
@@ -41,14 +43,32 @@ def _check_config(config: Mapping[str, Any]) -> None:
                           "true hides successful deliveries, so a message could never leave the outbox")
 
 
-def _open_spool(durability: Durability, outbox_path: str | os.PathLike[str] | None, max_pending: int) -> Spool:
+def _open_spool(
+    durability: Durability,
+    outbox_path: str | os.PathLike[str] | None,
+    outbox_dir: str | os.PathLike[str] | None,
+    max_pending: int,
+) -> tuple[Spool, Path | None, OutboxPool | None]:
+    """The spool, its file, and the pool it was claimed from when the outbox is a slot of `outbox_dir`."""
+    if outbox_path is not None and outbox_dir is not None:
+        raise ConfigError("outbox_dir", "give outbox_path (one file for this process) or outbox_dir (a pool "
+                                        "of slot files shared by several processes), not both")
     if durability is Durability.MEMORY:
         if outbox_path is not None:
             raise ConfigError("outbox_path", "durability='memory' keeps no outbox file; drop the path")
-        return MemorySpool(max_pending)
+        if outbox_dir is not None:
+            raise ConfigError("outbox_dir", "durability='memory' keeps no outbox file; drop the directory")
+        return MemorySpool(max_pending), None, None
+    if outbox_dir is not None:
+        pool = OutboxPool(outbox_dir)
+        slot = pool.claim(durability=durability, max_messages=max_pending)
+        return slot, slot.path, pool
     if outbox_path is None:
-        raise ConfigError("outbox_path", f"durability={durability.value!r} needs an outbox file to spool to")
-    return Outbox(Path(outbox_path), durability=durability, max_messages=max_pending)
+        raise ConfigError("outbox_path", f"durability={durability.value!r} needs an outbox file to spool to "
+                                         "(outbox_path=), or a pool directory shared by several processes "
+                                         "(outbox_dir=)")
+    outbox = Outbox(Path(outbox_path), durability=durability, max_messages=max_pending)
+    return outbox, outbox.path, None
 
 
 class ReliableProducer:
@@ -56,7 +76,11 @@ class ReliableProducer:
 
     Args:
         config: librdkafka settings (at least bootstrap.servers); unsafe ones raise ConfigError.
-        outbox_path: the SQLite outbox file (required unless durability="memory").
+        outbox_path: the SQLite outbox file of this process (required unless durability="memory" or
+            outbox_dir is given).
+        outbox_dir: instead of outbox_path, a directory shared by the processes of one server: this
+            process owns a free slot file in it, and drains the slots that dead or retired processes
+            left with pending messages (docs/producer.md#several-processes-the-outbox-pool).
         durability: "process" (survives a crash of this process), "fsync" (survives power loss),
             or "memory" (no spool: still acks=all + idempotent, but a crash loses unconfirmed messages).
         max_pending: spool bound; a full spool makes send() block up to `send_timeout_s`, then raise OutboxFull.
@@ -80,6 +104,7 @@ class ReliableProducer:
         config: Mapping[str, Any],
         *,
         outbox_path: str | os.PathLike[str] | None = None,
+        outbox_dir: str | os.PathLike[str] | None = None,
         durability: Durability | str = Durability.PROCESS,
         max_pending: int = 1_000_000,
         max_in_flight: int = 20_000,
@@ -99,7 +124,7 @@ class ReliableProducer:
             raise ConfigError("preflight", f"{preflight!r} is not 'error', 'warn' or 'off'")
         if max_in_flight < 1:
             raise ConfigError("max_in_flight", f"must be at least 1, got {max_in_flight}")
-        self._spool = _open_spool(self.durability, outbox_path, max_pending)
+        self._spool, self._outbox_path, pool = _open_spool(self.durability, outbox_path, outbox_dir, max_pending)
         self._closed = False
         self._tracing = telemetry.tracing_enabled()
         self._prepare = Preparer(value_serializer, key_serializer, tracing=self._tracing).prepare
@@ -107,8 +132,15 @@ class ReliableProducer:
         self._seen_topics = self._guard.seen  # read per batch without a call (see send_many)
         self._dispatcher = Dispatcher(conf, self._spool, self._guard, max_in_flight=max_in_flight,
                                       send_timeout_s=send_timeout_s, on_failed=on_failed)
-        self._outbox_path = outbox_path
         self._started = False
+        # The slots of an outbox_dir that dead or retired processes left pending are drained by ordinary
+        # producers opened on them, with this one's settings (a slot holds serialized rows: no serializers).
+        self._adopter: SlotAdopter | None = None
+        if pool is not None and (slot_file := self._outbox_path) is not None:
+            self._adopter = SlotAdopter(pool, slot_file, lambda slot: ReliableProducer(
+                config, outbox_path=slot, durability=self.durability, max_pending=max_pending,
+                max_in_flight=max_in_flight, send_timeout_s=send_timeout_s, preflight=preflight,
+                on_failed=on_failed))
 
     # ---- lifecycle (docs/api.md#lifecycle: the same rule for every client) --------------------
 
@@ -126,6 +158,8 @@ class ReliableProducer:
             if left:
                 # Whatever a previous run left pending goes out first, in its original order.
                 log.info("re-sending %d pending message(s) from %s", left, self._outbox_path)
+            if self._adopter is not None:
+                self._adopter.start()  # its own thread: send() never waits for an adoption
         return self
 
     # ---- sending ---------------------------------------------------------------------------
@@ -210,6 +244,8 @@ class ReliableProducer:
         self._closed = True
         telemetry.unregister_producer(self)
         self.flush(timeout)
+        if self._adopter is not None:
+            self._adopter.close()  # what it has not delivered stays in its slot for the next adopter
         remaining = self._dispatcher.stop()
         if remaining:
             if self.durability is Durability.MEMORY:
