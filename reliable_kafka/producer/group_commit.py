@@ -156,6 +156,11 @@ class GroupCommit:
                 batch = self._take()
             self._commit(batch)
 
+    @property
+    def queued(self) -> int:
+        """Submissions waiting for a commit (not counting the one in progress)."""
+        return len(self._queue)
+
     # ---- lifecycle -------------------------------------------------------------------------
 
     def close(self, timeout: float | None = 30.0) -> None:
