@@ -38,8 +38,9 @@ from reliable_kafka.errors import (
     TransactionFenced,
     Unavailable,
     WriteRefused,
+    WrongEventLoop,
 )
-from reliable_kafka.producer import Message, ReliableProducer, Sent
+from reliable_kafka.producer import AsyncReliableProducer, Message, ReliableProducer, Sent
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.spool import Durability, OutboxRow
 from reliable_kafka.stats import Stats
@@ -61,6 +62,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AsyncReliableProducer",
     "ClaimResult",
     "CommitPolicy",
     "DeadLetterPolicy",
@@ -109,4 +111,5 @@ __all__ = [
     "TransactionFenced",
     "Unavailable",
     "WriteRefused",
+    "WrongEventLoop",
 ]

@@ -11,6 +11,7 @@ errors by what the caller does next, so one `except` clause can handle a whole b
     │   │   └── TopicMissing           the topic does not exist (create it: reliable_kafka.ensure_topic)
     │   ├── SerializationError         (also TypeError) a key or value is not bytes, or its serializer failed
     │   ├── DeserializationError       (also ValueError) a record's key or value could not be decoded (poison)
+    │   ├── WrongEventLoop             (also RuntimeError) an asyncio client used from another event loop
     │   └── WriteRefused               a Spark exactly-once write's input changed under its write id
     ├── Unavailable                    something needed did not answer in time: nothing lost, retry later
     │   ├── ClusterUnreachable         no broker answered
@@ -159,6 +160,11 @@ class DeserializationError(InputRefused, ValueError):
                  topic: str | None = None, partition: int | None = None) -> None:
         super().__init__(*args, code=code, topic=topic, partition=partition)
         self.field = field
+
+
+class WrongEventLoop(InputRefused, RuntimeError):
+    """An asyncio client was called from an event loop other than the one it started on; nothing was
+    written. Create the client in (and use it from) one loop, or one client per loop."""
 
 
 class DeliveryFailed(RefusedByKafka):

@@ -18,15 +18,16 @@ from reliable_kafka import telemetry
 from reliable_kafka.config import producer_config
 from reliable_kafka.deprecation import renamed, warn_deprecated
 from reliable_kafka.errors import ConfigError, DeliveryFailed, ProducerClosed
-from reliable_kafka.ids import new_ids
+from reliable_kafka.ids import new_id, new_ids
 from reliable_kafka.outbox import Outbox
 from reliable_kafka.outbox.pool import OutboxPool
 from reliable_kafka.producer.adopter import SlotAdopter
 from reliable_kafka.producer.dispatcher import Dispatcher
+from reliable_kafka.producer.group_commit import MAX_BATCH, GroupCommit
 from reliable_kafka.producer.messages import Headers, Message, Preparer, Sent, new_tuple, plain_rows
 from reliable_kafka.producer.topic_guard import TopicGuard
 from reliable_kafka.serdes import UserSerializer
-from reliable_kafka.spool import Durability, MemorySpool, OutboxRow, Spool
+from reliable_kafka.spool import Durability, MemorySpool, NewMessage, OutboxRow, Spool
 from reliable_kafka.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -95,8 +96,11 @@ class ReliableProducer:
             JSONSerializer, ProtobufSerializer), called with SerializationContext(topic, field, headers).
 
     It composes parts that each own their state: the spool (outbox.py or spool.py), the topic guard
-    (topic_guard.py: preflight, size limits, the AdminClient) and the dispatcher (dispatcher.py: the
-    librdkafka producer, hand-over order, the poller thread, delivery reports, rebuild after fatal errors).
+    (topic_guard.py: preflight, size limits, the AdminClient), the dispatcher (dispatcher.py: the
+    librdkafka producer, hand-over order, the poller thread, delivery reports, rebuild after fatal errors)
+    and the group commit (group_commit.py: concurrent send() calls share one outbox transaction).
+    A send is two steps every front end calls: prepare (serialize, validate, preflight an unseen topic)
+    and accept (one outbox transaction and the hand-over to librdkafka).
     """
 
     def __init__(
@@ -127,11 +131,13 @@ class ReliableProducer:
         self._spool, self._outbox_path, pool = _open_spool(self.durability, outbox_path, outbox_dir, max_pending)
         self._closed = False
         self._tracing = telemetry.tracing_enabled()
-        self._prepare = Preparer(value_serializer, key_serializer, tracing=self._tracing).prepare
+        self._prepare_row = Preparer(value_serializer, key_serializer, tracing=self._tracing).prepare
         self._guard = TopicGuard(conf, preflight)
-        self._seen_topics = self._guard.seen  # read per batch without a call (see send_many)
+        self._seen_topics = self._guard.seen  # read per send without a call (see _prepare)
         self._dispatcher = Dispatcher(conf, self._spool, self._guard, max_in_flight=max_in_flight,
                                       send_timeout_s=send_timeout_s, on_failed=on_failed)
+        # Capped at the spool bound too: a combined batch must fit wherever each of its messages would.
+        self._group = GroupCommit(self._dispatcher.accept, max_batch=max(1, min(MAX_BATCH, max_pending)))
         self._started = False
         # The slots of an outbox_dir that dead or retired processes left pending are drained by ordinary
         # producers opened on them, with this one's settings (a slot holds serialized rows: no serializers).
@@ -176,39 +182,74 @@ class ReliableProducer:
     ) -> Sent:
         """Accept one message; returns once it is durable per the durability mode.
 
+        Concurrent send() calls from several threads share one outbox transaction (group commit); each
+        returns when the transaction holding its own message committed. A single thread commits inline.
+
         Raises OutboxFull when the spool stayed full for send_timeout_s, TopicConfigError when the
         preflight refuses the topic, SerializationError for a value that is not bytes, and
         DeliveryFailed when Kafka refused it at once (it is then kept in the outbox as failed).
         """
-        sent = self.send_many([Message(topic, value, key, headers, partition, message_id)])[0]
-        if sent.error is not None:
-            raise DeliveryFailed(sent.message_id, sent.error, topic=topic, partition=partition)
-        return sent
+        row = self._prepare_one(Message(topic, value, key, headers, partition, message_id))
+        seq, error = self._group.submit(row)
+        return self._sent_one(row, seq, error)
 
     def send_many(self, messages: Iterable[Message | tuple[str, Any]]) -> list[Sent]:
         """Accept a batch in one outbox transaction (much faster than send() in a loop).
 
         Returns a Sent per message, in order; a message Kafka refused at once has `error` set.
         """
+        return self._accept(self._prepare(messages))
+
+    # The two steps of a send, shared by the front ends (this one and producer/aio.py).
+
+    def _ready(self) -> None:
         if self._closed:
             raise ProducerClosed("send after close(): create a new ReliableProducer")
         if not self._started:
             self.start()
+
+    def _prepare(self, messages: Iterable[Message | tuple[str, Any]]) -> list[NewMessage]:
+        """Step 1 of send_many(): rows for the spool, every unseen topic preflighted. Nothing is stored:
+        a refusal (SerializationError, ConfigError, TopicConfigError) leaves the outbox as it was.
+        May block on a topic's first send (the preflight's admin requests)."""
+        self._ready()
         batch = messages if isinstance(messages, list) else list(messages)
         if not batch:
             return []
         ids = new_ids(len(batch))
         rows = None if self._tracing else plain_rows(batch, ids)
         if rows is None:
-            prepare = self._prepare
+            prepare = self._prepare_row
             rows = [prepare(m, i) for m, i in zip(batch, ids, strict=True)]
         for topic in {r.topic for r in rows} - self._seen_topics:
             self._guard.preflight(topic)
+        return rows
+
+    def _prepare_one(self, message: Message) -> NewMessage:
+        """Step 1 of send(): _prepare() for one Message, without a batch's list, id batch or set
+        (and without plain_rows(), whose TypeError on a Message cost ~40 us a send under cProfile)."""
+        self._ready()
+        row = self._prepare_row(message, new_id())
+        if row.topic not in self._seen_topics:
+            self._guard.preflight(row.topic)
+        return row
+
+    def _accept(self, rows: list[NewMessage]) -> list[Sent]:
+        """Step 2 of send_many(): one outbox transaction and the hand-over to librdkafka."""
+        if not rows:
+            return []
         errors: dict[int, str] = {}
         seqs = self._dispatcher.accept(rows, errors)
         if errors:
             return [Sent(r.message_id, s, errors.get(s)) for r, s in zip(rows, seqs, strict=True)]
         return [new_tuple(Sent, (r[0], s, None)) for r, s in zip(rows, seqs, strict=True)]
+
+    @staticmethod
+    def _sent_one(row: NewMessage, seq: int, error: str | None) -> Sent:
+        """Step 2 of send(), after its (group) commit: the Sent, or DeliveryFailed for a refusal at once."""
+        if error is not None:
+            raise DeliveryFailed(row.message_id, error, topic=row.topic, partition=row.partition)
+        return new_tuple(Sent, (row[0], seq, None))
 
     def check_topics(self, topics: Iterable[str]) -> None:
         """Run the preflight for `topics` now (it otherwise runs on the first send to each topic).
@@ -243,6 +284,8 @@ class ReliableProducer:
         self.start()  # a producer never used still delivers what an earlier run left, within `timeout`
         self._closed = True
         telemetry.unregister_producer(self)
+        # What concurrent send() calls queued before this is committed (and so flushed below) or refused.
+        self._group.close(timeout)
         self.flush(timeout)
         if self._adopter is not None:
             self._adopter.close()  # what it has not delivered stays in its slot for the next adopter
@@ -299,7 +342,7 @@ class ReliableProducer:
         return self._spool.stats().oldest_pending_age_s
 
     def stats(self) -> Stats:
-        """What this producer did so far: sent, delivered, failed, retried, recreated.
+        """What this producer did so far: sent, delivered, failed, retried, recreated, commits.
 
         An immutable snapshot: `stats().delivered` or `stats()["delivered"]`; every name is there from the start.
         """

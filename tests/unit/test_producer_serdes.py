@@ -162,7 +162,7 @@ def test_the_producer_reports_every_name_from_the_start(tmp_path: Path) -> None:
         p.close(0.1)
     assert isinstance(s, Stats)
     assert dict(s) == dict.fromkeys(PRODUCER_STATS, 0)
-    assert tuple(PRODUCER_STATS) == ("sent", "delivered", "failed", "retried", "recreated")
+    assert tuple(PRODUCER_STATS) == ("sent", "delivered", "failed", "retried", "recreated", "commits")
 
 
 def test_the_producers_counts_still_work_and_name_stats() -> None:

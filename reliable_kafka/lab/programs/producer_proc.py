@@ -2,20 +2,26 @@
 
 It writes each value's index to a ledger file as soon as the client said "accepted" (send()
 returned for ReliableProducer; produce() returned for the bare control), so the ledger is exactly
-what the application believed was safe when it died. With --status it also keeps, in that file,
-how many accepted messages are not delivered yet: a kill gated on it always catches some in flight.
+what the application believed was safe when it died. The async modes do the same from many asyncio
+tasks at once (`await send()` of AsyncReliableProducer; `await produce()` of confluent-kafka's
+AIOProducer, or produce() of a plain Producer where AIOProducer is missing), and fsync each line.
+With --status it also keeps, in that file, how many accepted messages are not delivered yet: a kill
+gated on it always catches some in flight.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import itertools
 import logging
 import os
 import sys
+from collections.abc import Awaitable, Callable
 
 from confluent_kafka import Producer
 
-from reliable_kafka import Message, ReliableProducer
+from reliable_kafka import AsyncReliableProducer, Message, ReliableProducer
 
 
 def _publish_pending(path: str | None, pending: int) -> None:
@@ -27,9 +33,63 @@ def _publish_pending(path: str | None, pending: int) -> None:
     os.replace(f"{path}.tmp", path)
 
 
+async def _run_async(args: argparse.Namespace) -> int:
+    """Many tasks, each sending the next index and recording it (write + fsync) once the send returned."""
+    fd = os.open(args.ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    indexes = iter(range(args.start, args.end))
+    recorded = itertools.count(1)
+
+    async def worker(send: Callable[[int], Awaitable[object]], pending: Callable[[], int]) -> None:
+        for i in indexes:
+            await send(i)
+            os.write(fd, f"{i}\n".encode())
+            os.fsync(fd)
+            if next(recorded) % args.batch == 0:
+                _publish_pending(args.status, pending())
+
+    if args.mode == "async":
+        producer = AsyncReliableProducer({"bootstrap.servers": args.bootstrap, "linger.ms": 20},
+                                         outbox_path=args.outbox, preflight="off")
+        await producer.start()
+
+        async def send(i: int) -> object:
+            return await producer.send(args.topic, f"v-{i}".encode(), message_id=f"v-{i}")
+
+        await asyncio.gather(*(worker(send, lambda: producer.sync.pending) for _ in range(args.concurrency)))
+        remaining = await producer.close(timeout=60)
+        _publish_pending(args.status, remaining)
+        logging.info("closed with %d undelivered", remaining)
+        return 0 if remaining == 0 else 3
+    conf = {"bootstrap.servers": args.bootstrap, "acks": "all", "linger.ms": 20}
+    try:
+        from confluent_kafka.aio import AIOProducer
+    except ImportError:  # an older confluent-kafka: the plain Producer, produce() returning at once
+        control = Producer(conf)
+
+        async def send(i: int) -> object:
+            control.produce(args.topic, f"v-{i}".encode())
+            return control.poll(0)
+
+        await asyncio.gather(*(worker(send, lambda: len(control)) for _ in range(args.concurrency)))
+        remaining = control.flush(60)
+    else:
+        aio = AIOProducer(conf)
+
+        async def send(i: int) -> object:
+            return await aio.produce(args.topic, f"v-{i}".encode())  # accepted; its delivery is a future
+
+        await asyncio.gather(*(worker(send, lambda: len(aio)) for _ in range(args.concurrency)))
+        await aio.flush()
+        remaining = len(aio)
+        await aio.close()
+    _publish_pending(args.status, remaining)
+    logging.info("flushed with %d undelivered", remaining)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["reliable", "control"], required=True)
+    ap.add_argument("--mode", choices=["reliable", "control", "async", "async-control"], required=True)
     ap.add_argument("--bootstrap", required=True)
     ap.add_argument("--topic", required=True)
     ap.add_argument("--outbox")
@@ -38,12 +98,15 @@ def main() -> int:
     ap.add_argument("--ledger", required=True)
     ap.add_argument("--status", help="file kept holding the number of accepted, undelivered messages")
     ap.add_argument("--batch", type=int, default=50)
+    ap.add_argument("--concurrency", type=int, default=200, help="asyncio tasks sending at once (async modes)")
     args = ap.parse_args()
     # Into the member log the tests keep per child: what each run started from and how it ended.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     logging.info("%s producer: indexes %d..%d to %s", args.mode, args.start, args.end - 1, args.topic)
 
+    if args.mode in ("async", "async-control"):
+        return asyncio.run(_run_async(args))
     ledger = open(args.ledger, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     if args.mode == "reliable":
         producer = ReliableProducer(
