@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(1, args.repeat + 1):
         report = reports / f"run-{run}.xml"
         started = time.monotonic()
-        code = subprocess.call([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup",
+        code = subprocess.call([sys.executable, "-m", "pytest", "-n", "2",
                                 "-p", "no:cacheprovider", "-q", "-m", args.marker, f"--junitxml={report}",
                                 *pytest_args])
         seconds = time.monotonic() - started

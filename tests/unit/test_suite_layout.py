@@ -1,0 +1,28 @@
+"""How the suite is spread over the xdist workers (tests/conftest.py): the units hold what they must."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.conftest import WHOLE_MODULES, unit_of
+
+ROOT = Path(__file__).resolve().parents[2]
+_COSTLY_FIXTURE = re.compile(r"@pytest\.fixture\([^)]*scope=\"(module|package|class)\"")
+
+
+def test_every_module_with_a_module_scoped_fixture_runs_whole_on_one_worker() -> None:
+    # Split over two workers, such a module would build its fixture (a cluster, a wheel) on each.
+    found = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+             if _COSTLY_FIXTURE.search(p.read_text())}
+    assert found, "the pattern finds the module-scoped fixtures"
+    for module in found:
+        assert unit_of(f"{module}::test_x") == unit_of(f"{module}::test_y"), f"{module} would be split"
+    assert found - WHOLE_MODULES <= {m for m in found if m.startswith("tests/spark/")}
+
+
+def test_the_spark_tests_are_one_unit_and_other_tests_their_own() -> None:
+    assert unit_of("tests/spark/test_reader.py::test_a") == unit_of("tests/spark/test_rerun.py::test_b")
+    producer = "tests/integration/test_producer.py"
+    assert unit_of(f"{producer}::test_a") != unit_of(f"{producer}::test_b")
+    assert unit_of("tests/unit/test_outbox.py::test_a[1]") == "tests/unit/test_outbox.py::test_a[1]"
