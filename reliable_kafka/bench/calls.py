@@ -264,6 +264,8 @@ async def _aio_raw(bootstrap: str, topic: str, n: int, tasks: int) -> Outcome:
     try:
         took, probe = await _timed_tasks(n, tasks, send_share, drain)
     finally:
+        if settled[0] + settled[1] < n:
+            await p.purge()  # a failed run: close() flushes without a timeout, and must not wait forever
         await p.close()
     if settled != [n, 0]:
         raise RuntimeError(f"AIOProducer: {settled[0]} of {n} delivered, {settled[1]} failed")
