@@ -1,6 +1,8 @@
 """The benchmarks behind `reliable-kafka bench`: each variant against its baseline, same run, same brokers.
 
 producer: raw confluent-kafka (acks=all + idempotence) vs ReliableProducer in memory/process/fsync mode.
+producer-calls: one send() per message from 16 / 1 threads and 200 asyncio tasks, each against raw
+          confluent-kafka driven the same way (the variants and their drivers: reliable_kafka.bench.calls).
 consumer: raw poll loop with auto-commit vs ReliableConsumer (per-partition manual commits).
 dedup:    ReliableConsumer without dedup vs with SQLiteDedupStore vs with RedisDedupStore.
 eos and spark come from reliable_kafka.bench.eos / reliable_kafka.bench.spark.
@@ -12,6 +14,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from reliable_kafka.bench import calls
 from reliable_kafka.bench.common import BenchRow, rows_against, run_variant
 
 CreateTopic = Callable[[str, int], None]
@@ -54,6 +57,21 @@ def producer_bench(bootstrap: str, create_topic: CreateTopic, messages: int, pro
     run_variant("producer", "raw", fresh_topic())
     results = _interleaved("producer", ("raw", "memory", "process", "fsync"), fresh_topic, repeat, progress)
     return rows_against("producer", "raw", results, messages)
+
+
+def producer_calls_bench(bootstrap: str, create_topic: CreateTopic, messages: int, progress: Progress,
+                         repeat: int = 1) -> list[BenchRow]:
+    """How applications send: one send() per message from many threads or tasks, every variant and its
+    baseline in the same interleaved rounds."""
+    def fresh_topic() -> list[str]:
+        topic = _topic("calls")
+        create_topic(topic, 3)
+        return _args(bootstrap, topic, messages)
+
+    progress(f"{calls.BENCH}: warming the brokers up")
+    run_variant(calls.BENCH, calls.VARIANTS[0].name, fresh_topic())
+    results = _interleaved(calls.BENCH, tuple(v.name for v in calls.VARIANTS), fresh_topic, repeat, progress)
+    return calls.rows(results, messages)
 
 
 def consumer_bench(bootstrap: str, create_topic: CreateTopic, messages: int, progress: Progress,

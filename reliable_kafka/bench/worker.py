@@ -19,6 +19,7 @@ from typing import Any
 from confluent_kafka import Consumer, Producer
 
 from reliable_kafka.backpressure import produce_when_room
+from reliable_kafka.bench import calls
 from reliable_kafka.bench.common import peak_rss_mb
 from reliable_kafka.ids import ID_HEADER, new_ids
 
@@ -147,7 +148,8 @@ def main() -> None:
     ap.add_argument("--messages", type=int, required=True)
     ap.add_argument("--redis-url")
     a = ap.parse_args()
-    runs: dict[tuple[str, str], Callable[[], float]] = {
+    # A variant returns its seconds, or (seconds, facts for its JSON) (the producer-calls variants).
+    runs: dict[tuple[str, str], Callable[[], float | tuple[float, dict[str, Any]]]] = {
         ("producer", "raw"): lambda: produce_raw(a.bootstrap, a.topic, a.messages),
         ("producer", "fill"): lambda: produce_raw(a.bootstrap, a.topic, a.messages, with_ids=True),
         ("consumer", "raw"): lambda: consume_raw(a.bootstrap, a.topic, a.messages),
@@ -160,10 +162,13 @@ def main() -> None:
     for durability in ("memory", "process", "fsync"):
         runs[("producer", durability)] = functools.partial(produce_reliable, a.bootstrap, a.topic, a.messages,
                                                            durability)
+    for variant in calls.VARIANTS:
+        runs[(calls.BENCH, variant.name)] = functools.partial(calls.run, variant, a.bootstrap, a.topic, a.messages)
     rss_before = peak_rss_mb()
-    took = runs[(a.bench, a.variant)]()
+    outcome = runs[(a.bench, a.variant)]()
+    took, facts = outcome if isinstance(outcome, tuple) else (outcome, {})
     print(json.dumps({"msgs_per_s": a.messages / took, "seconds": took, "peak_rss_mb": peak_rss_mb(),
-                      "rss_before_mb": rss_before}))
+                      "rss_before_mb": rss_before, **facts}))
     # A lingering librdkafka thread must not keep the benchmark waiting.
     threading.Event().wait(0.1)
     os._exit(0)

@@ -18,7 +18,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from reliable_kafka.admin import admin_client
 from reliable_kafka.bench.common import SHORT_RUN_S, TARGETS, BenchRow, run_facts
-from reliable_kafka.bench.suites import consumer_bench, dedup_bench, producer_bench
+from reliable_kafka.bench.suites import consumer_bench, dedup_bench, producer_bench, producer_calls_bench
 from reliable_kafka.cli.output import check_writable, console, emit_json, fail, table
 from reliable_kafka.cli.runlog import chatter_to_file
 from reliable_kafka.errors import ClusterError, ReliableKafkaError
@@ -26,7 +26,7 @@ from reliable_kafka.testing.cluster import LocalKafkaCluster
 
 log = logging.getLogger(__name__)
 
-BENCHES = ("producer", "consumer", "eos", "dedup", "spark")
+BENCHES = ("producer", "producer-calls", "consumer", "eos", "dedup", "spark")
 
 
 def _create_topic_fn(bootstrap: str) -> Callable[[str, int], None]:
@@ -85,6 +85,19 @@ def plot(rows: list[BenchRow], path: str) -> None:
     plt.close(fig)
 
 
+def _group_commit_table(rows: list[BenchRow], *, to_stderr: bool) -> None:
+    """What only the producer-calls rows measure: how many messages an outbox transaction carried (group
+    commit), and the worst event-loop stall of the asyncio runs."""
+    shown = [r for r in rows if "msgs_per_commit" in r.extra or "loop_stall_max_ms" in r.extra]
+    if not shown:
+        return
+    table("per-message sends: messages per outbox transaction, worst event-loop stall (over all rounds)",
+          ["benchmark", "variant", "msgs per commit (median)", "worst loop stall ms"],
+          [[r.name, r.variant, "" if "msgs_per_commit" not in r.extra else f"{r.extra['msgs_per_commit']:,.1f}",
+            "" if "loop_stall_max_ms" not in r.extra else f"{r.extra['loop_stall_max_ms']:,.1f}"] for r in shown],
+          to_stderr=to_stderr)
+
+
 @click.command("bench")
 @click.argument("which", type=click.Choice([*BENCHES, "all"]), default="all")
 @click.option("--messages", type=click.IntRange(min=1000), default=None,
@@ -97,7 +110,7 @@ def plot(rows: list[BenchRow], path: str) -> None:
 @click.option("--plot", "plot_path", default=None, metavar="PATH", help="Write a PNG chart of the ratios.")
 def bench(which: str, messages: int | None, bootstrap_servers: str | None, repeat: int, json_path: str | None,
           plot_path: str | None) -> None:
-    """Measure producer, consumer, eos, dedup and spark variants against their baselines."""
+    """Measure producer, producer-calls, consumer, eos, dedup and spark variants against their baselines."""
     check_writable(json_path)
     check_writable(plot_path)
     n = messages or 1_000_000
@@ -133,6 +146,8 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, repea
                     try:
                         if b == "producer":
                             rows += producer_bench(bootstrap_servers, create, n, progress, repeat)
+                        elif b == "producer-calls":
+                            rows += producer_calls_bench(bootstrap_servers, create, n, progress, repeat)
                         elif b == "consumer":
                             rows += consumer_bench(bootstrap_servers, create, n, progress, repeat)
                         elif b == "dedup":
@@ -160,6 +175,7 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, repea
             "" if r.ratio_min is None or r.ratio_max is None else f"{r.ratio_min:.2f}–{r.ratio_max:.2f}",
             "" if (r.name, r.variant) not in TARGETS else f"≥ {TARGETS[(r.name, r.variant)]}",
             f"{r.peak_rss_mb:.0f}"] for r in rows], to_stderr=json_path == "-")
+    _group_commit_table(rows, to_stderr=json_path == "-")
     short = [f"{r.name}/{r.variant} {r.shortest_run_s:.1f} s" for r in rows if r.short]
     if short:
         console.print(f"[yellow]note:[/] {len(short)} variant(s) ran under {SHORT_RUN_S:.0f} s at their fastest "

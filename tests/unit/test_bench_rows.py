@@ -49,3 +49,49 @@ def test_the_json_says_what_the_machine_was_and_did() -> None:
     assert facts["versions"]["librdkafka"] and facts["versions"]["kafka"]
     assert run_facts(messages=1, repeat=1, nodes=3, load_before=(0, 0, 0), local_cluster=False)["versions"]["kafka"] \
         is None
+
+
+def _call_runs(rate: float, commits: int | None = None, stall_ms: float | None = None) -> dict[str, float]:
+    run = {"msgs_per_s": rate, "peak_rss_mb": 100.0}
+    if commits is not None:
+        run["commits"] = commits
+    if stall_ms is not None:
+        run["loop_stall_max_ms"] = stall_ms
+    return run
+
+
+def test_producer_calls_rows_each_against_its_own_baseline_with_commits_and_loop_stalls() -> None:
+    from reliable_kafka.bench import calls
+
+    n = 1_000_000
+    # Two rounds of every variant; ours carry their commit count, the asyncio ones their worst stall.
+    runs = {v.name: [_call_runs(
+        {"raw": 100_000.0, "reliable": 80_000.0}[v.client] * (1 + i),
+        commits=None if v.client == "raw" else 20_000 * (1 + i),
+        stall_ms=(3.0 + 10 * i) if v.asyncio else None) for i in range(2)] for v in calls.VARIANTS}
+    rows = {r.variant: r for r in calls.rows(runs, n)}
+    assert list(rows) == [v.name for v in calls.VARIANTS]
+    assert {r.variant: r.baseline for r in rows.values()} == {v.name: v.baseline for v in calls.VARIANTS}
+    ours = rows["send-threads-16-process"]
+    assert ours.ratio_vs_baseline == 0.8 and ours.extra["ratios"] == [0.8, 0.8]
+    assert ours.extra["commits"] == [20_000, 40_000] and ours.extra["msgs_per_commit"] == 37.5  # median of 50, 25
+    assert "loop_stall_max_ms" not in ours.extra and "commits" not in rows["raw-threads-16"].extra
+    aio = rows["aio-send-tasks-200-memory"]
+    assert aio.baseline == "aio-raw-tasks-200" and aio.extra["loop_stall_runs_ms"] == [3.0, 13.0]
+    assert aio.extra["loop_stall_max_ms"] == 13.0 and rows["aio-raw-tasks-200"].extra["loop_stall_max_ms"] == 13.0
+    data = aio.as_json()
+    assert data["msgs_per_commit"] == 37.5 and data["ratios"] == [0.8, 0.8] and "extra" not in data
+    assert BenchRow.from_json(data) == aio
+
+
+def test_rows_without_extras_keep_their_json_keys() -> None:
+    (row,) = rows_against("producer", "raw", {"raw": _runs(150_000)}, 1_000_000)
+    assert list(row.as_json()) == ["name", "variant", "messages", "msgs_per_s", "baseline", "ratio_vs_baseline",
+                                   "peak_rss_mb", "runs", "ratio_min", "ratio_max", "shortest_run_s"]
+
+
+def test_messages_split_evenly_over_senders() -> None:
+    from reliable_kafka.bench.calls import shares
+
+    assert shares(1_000_000, 16) == [62_500] * 16
+    assert shares(50_003, 200)[:3] == [251, 251, 251] and sum(shares(50_003, 200)) == 50_003
