@@ -14,7 +14,8 @@ from reliable_kafka.errors import MissingExtra
 
 # Top-level module names each extra of pyproject.toml installs (the ones a part imports at start).
 EXTRAS: dict[str, frozenset[str]] = {
-    "cli": frozenset({"click", "rich", "psutil", "matplotlib"}),
+    "cli": frozenset({"click", "rich", "psutil"}),
+    "plot": frozenset({"matplotlib"}),
     "redis": frozenset({"redis"}),
     "spark": frozenset({"pyspark", "pyarrow", "pandas", "numpy"}),
 }

@@ -22,6 +22,7 @@ from reliable_kafka.bench.suites import consumer_bench, dedup_bench, producer_be
 from reliable_kafka.cli.output import check_writable, console, emit_json, fail, table
 from reliable_kafka.cli.runlog import chatter_to_file
 from reliable_kafka.errors import ClusterError, ReliableKafkaError
+from reliable_kafka.extras import missing_modules, needs_extra
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 
 log = logging.getLogger(__name__)
@@ -56,10 +57,11 @@ def _external(module: str, function: str, *args: Any, **kwargs: Any) -> list[Ben
 def plot(rows: list[BenchRow], path: str) -> None:
     """A horizontal bar per variant (labels never overlap), its ratio written at the bar's end, the
     target as a tick on the bar's row, the baseline named in the label."""
-    import matplotlib
+    with needs_extra("plot", "bench --plot"):
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
     shown = [r for r in rows if r.variant != r.baseline]
     labels = [f"{r.name}: {r.variant}\nvs {r.baseline}" for r in shown]
@@ -113,6 +115,9 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, repea
     """Measure producer, producer-calls, consumer, eos, dedup and spark variants against their baselines."""
     check_writable(json_path)
     check_writable(plot_path)
+    if plot_path is not None and missing_modules("plot"):
+        # Said before the runs, not after minutes of benchmarking.
+        raise click.UsageError("--plot needs the plot extra (matplotlib): pip install 'reliable-kafka[plot]'")
     n = messages or 1_000_000
     chosen = list(BENCHES) if which == "all" else [which]
     load_before = os.getloadavg()

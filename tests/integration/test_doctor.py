@@ -21,9 +21,13 @@ pytestmark = pytest.mark.cluster
 
 @pytest.fixture(scope="module")
 def weak_cluster() -> Iterator[LocalKafkaCluster]:
-    """Seed 003's cluster: internal topics with one replica, plus weak topics."""
+    """Seed 003's settings: internal topics with one replica, plus weak topics.
+
+    One broker is enough for every trap the doctor reads from configs (it judges the settings, not
+    how many brokers hold them), and it starts one JVM beside the suite's two clusters instead of three.
+    """
     _require_kafka()
-    cluster = LocalKafkaCluster(brokers=3, broker_config={
+    cluster = LocalKafkaCluster(brokers=1, broker_config={
         "offsets.topic.replication.factor": 1,
         "transaction.state.log.replication.factor": 1,
         "transaction.state.log.min.isr": 1,
@@ -32,8 +36,8 @@ def weak_cluster() -> Iterator[LocalKafkaCluster]:
     try:
         cluster.wait_healthy()
         cluster.create_topic("rf1", 1, 1)
-        cluster.create_topic("isr1", 1, 3, {"min.insync.replicas": 1})
-        cluster.create_topic("unclean", 1, 3, {"unclean.leader.election.enable": True})
+        cluster.create_topic("isr1", 1, 1, {"min.insync.replicas": 1})
+        cluster.create_topic("unclean", 1, 1, {"unclean.leader.election.enable": True})
         # Use a group and a transaction so the internal topics exist with their weak settings.
         c = Consumer({"bootstrap.servers": cluster.bootstrap_servers, "group.id": "doctor-probe"})
         c.commit(offsets=[TopicPartition("isr1", 0, 0)], asynchronous=False)

@@ -63,6 +63,17 @@ def test_a_lab_scenario_whose_extra_is_missing_is_skipped_not_a_loss(monkeypatch
     assert "skipped (needs pyspark: pip install 'reliable-kafka[spark]')" in result.stderr
 
 
+def test_bench_plot_without_the_plot_extra_is_refused_before_any_run(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    from reliable_kafka.cli import bench as bench_cli
+
+    monkeypatch.setattr(bench_cli, "missing_modules", lambda extra: ["matplotlib"] if extra == "plot" else [])
+    monkeypatch.setattr(bench_cli, "LocalKafkaCluster", None)  # any run would need it: none may start
+    result = CliRunner().invoke(cli, ["bench", "producer", "--plot", str(tmp_path / "p.png")])
+    assert result.exit_code == 2
+    assert "pip install 'reliable-kafka[plot]'" in result.output
+
+
 def test_log_records_of_a_run_go_to_its_log_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("RK_RUNS_DIR", str(tmp_path))
