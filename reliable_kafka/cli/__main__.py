@@ -2,4 +2,5 @@
 
 from reliable_kafka.cli.main import main
 
-main()
+if __name__ == "__main__":  # importing the module (a walk over the package's modules) runs nothing
+    main()
