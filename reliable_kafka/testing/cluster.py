@@ -12,6 +12,7 @@ import ctypes
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -70,11 +71,31 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+# Ports for the servers the harness starts are drawn from below the kernel's ephemeral range (Linux:
+# 32768-60999). A port the kernel hands out (bind to port 0, the local end of any outgoing connection,
+# a Spark driver, a mock broker) was free when checked and taken seconds later, before the JVM bound
+# it: "Socket server failed to bind ... Address already in use" on a cluster's start, and on a broker
+# restarted after a SIGKILL, whose port had been free meanwhile. Below that range only a process that
+# picks a port number on purpose can collide.
+_PORTS = range(20_000, 32_000)
+_handed_out: set[int] = set()  # never the same port twice from this process
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing is bound to now and that the kernel never hands out itself."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.choice(_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise ClusterError(f"no free TCP port in {_PORTS.start}-{_PORTS.stop - 1} on 127.0.0.1 after 200 tries")
 
 
 def _cluster_id() -> str:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
 from reliable_kafka.errors import ClusterError
-from reliable_kafka.testing import LocalKafkaCluster
+from reliable_kafka.testing import LocalKafkaCluster, free_port
 
 
 def test_a_wait_moves_its_deadline_while_progress_changes_and_gives_up_once_it_stalls() -> None:
@@ -38,3 +39,11 @@ def test_a_wait_returns_as_soon_as_its_condition_holds() -> None:
     started = time.monotonic()
     cluster._wait(lambda: time.monotonic() - started > 0.3, 5, "a test condition", progress=lambda: 0, cap=20)
     assert time.monotonic() - started < 2
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice() -> None:
+    # A port the kernel hands out itself (an outgoing connection, a bind to port 0) could be taken
+    # between the check and the broker's bind, or while a killed broker is down.
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(p < low for p in ports), ports
