@@ -13,6 +13,10 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from confluent_kafka import KafkaException
+
+from reliable_kafka.kafka_errors import Disposition, classify, describe
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -146,12 +150,23 @@ class Feeder:
             self._top_up()
             self.top_ups += 1
 
+    def _read_backlog(self) -> float:
+        """The backlog, or infinity (no top-up this round) when the look at Kafka failed retriably: a
+        committed-offsets request that timed out under load once ended a feeder, and its test with it."""
+        try:
+            return self._backlog()
+        except KafkaException as exc:
+            if classify(exc) is not Disposition.RETRIABLE:
+                raise
+            log.warning("feeder: could not read the backlog (%s); asking again", describe(exc))
+            return float("inf")
+
     def _run(self) -> None:
         deadline = time.monotonic() + self._max_seconds
         try:
             while not self._stop.is_set() and self.top_ups < self._max_top_ups and time.monotonic() < deadline:
                 with self._feeding:
-                    if not self._stop.is_set() and self._backlog() < self._low:
+                    if not self._stop.is_set() and self._read_backlog() < self._low:
                         self._top_up()
                         self.top_ups += 1
                 self._stop.wait(self._poll_s)

@@ -95,3 +95,29 @@ def test_the_feeder_is_bounded_and_a_failing_top_up_fails_the_caller() -> None:
     with pytest.raises(RuntimeError, match="feeder failed"):
         assert wait_for(lambda: feeder.error is not None, timeout_s=5, poll_s=0.001)
         feeder.stop()
+
+
+def test_a_look_at_kafka_that_times_out_is_asked_again_not_the_end_of_the_feeder() -> None:
+    from confluent_kafka import KafkaError, KafkaException
+
+    looks = [0]
+
+    def backlog() -> int:
+        looks[0] += 1
+        if looks[0] == 1:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "Failed to get committed offsets"))
+        return 0
+
+    fed: list[int] = []
+    feeder = Feeder(lambda: fed.append(1), backlog, low=1, poll_s=0.0, max_top_ups=3).start()
+    assert wait_for(lambda: len(fed) == 3, timeout_s=5)
+    feeder.stop()  # raises if the feeder died
+    assert feeder.error is None and looks[0] >= 4
+
+    def refused() -> int:
+        raise KafkaException(KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED))
+
+    dead = Feeder(lambda: None, refused, low=1, poll_s=0.0).start()
+    with pytest.raises(RuntimeError, match="the feeder failed"):
+        assert wait_for(lambda: dead.error is not None, timeout_s=5)
+        dead.stop()
