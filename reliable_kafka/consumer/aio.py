@@ -160,7 +160,8 @@ class AsyncReliableConsumer:
             handler = sync._decoding.async_handler(handler)
         offload = functools.partial(loop.run_in_executor, self._blocking)
         lanes = LoopStrategy(handler, self._concurrency, loop, self._stopping, offload,
-                             fetcher=sync._fetcher, failures=sync._failures, commits=sync._commits)
+                             fetcher=sync._fetcher, failures=sync._failures, commits=sync._commits,
+                             stop_consumer=self.stop)
         strategy: LoopStrategy | ClaimedStrategy = lanes
         if sync._dedup is not None:
             strategy = ClaimedStrategy(lanes, sync._dedup, bare=False, fetcher=sync._fetcher,

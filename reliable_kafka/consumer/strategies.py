@@ -241,11 +241,12 @@ class LoopStrategy(RecordStrategy):
 
     def __init__(self, handler: AsyncHandler, concurrency: int, loop: asyncio.AbstractEventLoop,
                  stop: asyncio.Event, offload: Offload, fetcher: Fetcher, failures: FailureStages,
-                 commits: CommitCoordinator) -> None:
+                 commits: CommitCoordinator, stop_consumer: Callable[[], None] = lambda: None) -> None:
         super().__init__(handler, fetcher, failures, commits)
         self._async_handler = handler
         self._loop = loop
-        self._stop = stop
+        self._stop = stop  # set by stop(): cuts retry backoffs short
+        self._stop_consumer = stop_consumer  # what a lane calls when the process is stopping under it
         self._offload = offload
         self._lanes: list[asyncio.Queue[Work]] = []
         self._tasks: list[asyncio.Task[None]] = []
@@ -281,6 +282,7 @@ class LoopStrategy(RecordStrategy):
                 raise
             except BaseException as exc:  # KeyboardInterrupt, SystemExit from a handler: the process stopping
                 self.failed = exc
+                self._stop_consumer()
                 return
 
     def wait_idle(self, timeout: float, partitions: Partitions | None = None) -> bool:

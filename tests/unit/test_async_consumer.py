@@ -331,3 +331,22 @@ def test_a_call_from_another_loop_or_after_close_is_refused() -> None:
             first.run_until_complete(late())
     finally:
         first.close()
+
+
+def test_a_handler_raising_systemexit_stops_the_consumer_and_run_raises_it_without_committing_the_record() -> None:
+    records = [Message(topic=T, partition=0, offset=o) for o in range(10)]
+    consumer, client = scripted(records, revoke_timeout_s=1.0)
+
+    async def handler(msg: Message) -> None:
+        if msg.offset() == 3:
+            raise SystemExit(3)
+
+    async def main() -> None:
+        async with consumer:
+            with pytest.raises(SystemExit):  # awaited in this task: SystemExit out of a task ends the loop
+                await consumer.run(handler, stop_after=20)
+
+    started = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - started < 10, "the consumer went on after the handler's SystemExit"
+    assert client.committed_now() == {(T, 0): 3}
