@@ -23,7 +23,7 @@ from reliable_kafka.consumer.front import _DEAD_LETTER_TOPIC, ReliableConsumer
 from reliable_kafka.consumer.strategies import ClaimedStrategy, LoopStrategy
 from reliable_kafka.consumer.work import AsyncHandler, Work
 from reliable_kafka.dlq import DeadLetterPolicy
-from reliable_kafka.errors import ClientClosed, DeserializationError, WrongEventLoop
+from reliable_kafka.errors import ClientClosed, DeserializationError, InputRefused, WrongEventLoop
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.serdes import UserDeserializer
 from reliable_kafka.stats import Stats
@@ -81,9 +81,10 @@ class AsyncReliableConsumer:
         # Every call on the librdkafka handle runs on this one thread: consume(), rebalance callbacks,
         # commits, close(). run() occupies it for its whole duration; close() queues behind it.
         self._client_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reliable-kafka-consumer")
-        # What may block besides the client: dead-letter writes, dedup store calls, commit() during run().
+        # What may block besides the client: dead-letter writes (they wait for the acknowledgement), dedup calls.
         self._blocking = ThreadPoolExecutor(max_workers=4, thread_name_prefix="reliable-kafka-aio")
         self._buffer: deque[Work] = deque()  # fetched for `async for`, not yet handed out
+        self._running = False  # run() holds the client's thread
 
     @property
     def sync(self) -> ReliableConsumer:
@@ -166,6 +167,9 @@ class AsyncReliableConsumer:
         if sync._dedup is not None:
             strategy = ClaimedStrategy(lanes, sync._dedup, bare=False, fetcher=sync._fetcher,
                                        failures=sync._failures, commits=sync._commits, counters=sync._counters)
+        if self._running:
+            raise InputRefused("run() is already running on this consumer: one run() per consumer")
+        self._running = True
         lanes.start()
         deadline = None if stop_after is None else time.monotonic() + stop_after
         serving = loop.run_in_executor(self._client_thread, sync._serve, strategy, deadline)
@@ -180,6 +184,7 @@ class AsyncReliableConsumer:
             raise
         finally:
             await lanes.cancel()
+            self._running = False
         if lanes.failed is not None:
             raise lanes.failed
 
@@ -223,9 +228,16 @@ class AsyncReliableConsumer:
         self._sync.ack(msg)
 
     async def commit(self, partitions: Sequence[tuple[str, int]] | None = None) -> dict[tuple[str, int], int]:
-        """Commit what is processed (of `partitions`, or all) now, synchronously, off the loop."""
+        """Commit what is processed (of `partitions`, or all) now, synchronously, on the client's thread.
+
+        For `async for` and after run(): run() commits by itself (CommitPolicy, revokes, stop) and holds
+        the client's thread, so a commit() while it runs raises InputRefused instead of waiting for it.
+        """
         loop = self._bound_loop()
-        return await loop.run_in_executor(self._blocking, self._sync.commit, partitions)
+        if self._running:
+            raise InputRefused("commit() while run() runs: run() commits by itself (as the CommitPolicy says, "
+                               "on revoke and when it stops); call commit() with `async for` or after run()")
+        return await loop.run_in_executor(self._client_thread, self._sync.commit, partitions)
 
     # ---- inspecting ----------------------------------------------------------------------------
 
@@ -235,4 +247,6 @@ class AsyncReliableConsumer:
 
     @property
     def assignment(self) -> list[tuple[str, int]]:
-        return self._sync.assignment
+        """The (topic, partition) pairs held now, as the rebalance callbacks reported them (no librdkafka call:
+        one from the loop would wait while the client's thread is in consume())."""
+        return self._sync._rebalance.held

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from confluent_kafka import Message, TopicPartition
 
-from reliable_kafka import AsyncReliableConsumer, ClientClosed, RetryPolicy, WrongEventLoop
+from reliable_kafka import AsyncReliableConsumer, ClientClosed, InputRefused, RetryPolicy, WrongEventLoop
 from reliable_kafka.consumer.strategies import LoopStrategy
 from reliable_kafka.errors import RetriesExhausted, RetryInterrupted
 from tests.fixtures.consumer_parts import T, parts
@@ -291,6 +291,31 @@ def test_a_failing_handler_is_retried_then_dead_lettered_off_the_loop_and_the_re
     assert consumer.stats().dead_lettered == 1 and consumer.stats().handled == 10
     assert client.committed_now() == {(T, 0): 10}
     assert worst < 0.2, f"the loop stalled {worst * 1000:.0f} ms during a 300 ms dead-letter write"
+
+
+def test_commit_while_run_runs_is_refused_and_assignment_asks_no_librdkafka_call() -> None:
+    consumer, client = scripted([Message(topic=T, partition=p, offset=0) for p in range(3)])
+    refused: list[BaseException] = []
+    held: list[list[tuple[str, int]]] = []
+
+    async def handler(msg: Message) -> None:
+        held.append(consumer.assignment)
+        try:
+            await consumer.commit()
+        except InputRefused as exc:
+            refused.append(exc)
+        if len(refused) == 3:
+            consumer.stop()
+
+    async def main() -> None:
+        async with consumer:
+            await asyncio.wait_for(consumer.run(handler), 20)
+            assert await consumer.commit() == {}  # after run(): allowed (run() committed everything)
+
+    asyncio.run(main())
+    assert len(refused) == 3 and "run() commits by itself" in str(refused[0])
+    assert held[0] == [(T, 0), (T, 1), (T, 2)]
+    assert client.committed_now() == {(T, p): 1 for p in range(3)}
 
 
 def test_async_for_counts_a_record_processed_when_the_body_asks_for_the_next() -> None:
