@@ -6,7 +6,13 @@ The public API is what this module exports; everything else is internal.
 from typing import TYPE_CHECKING
 
 from reliable_kafka.admin import ensure_topic
-from reliable_kafka.consumer import CommitPolicy, DeadLetterPolicy, DedupPolicy, ReliableConsumer
+from reliable_kafka.consumer import (
+    AsyncReliableConsumer,
+    CommitPolicy,
+    DeadLetterPolicy,
+    DedupPolicy,
+    ReliableConsumer,
+)
 from reliable_kafka.dedup import ClaimResult, DedupStore, SQLiteDedupStore
 from reliable_kafka.errors import (
     ClientClosed,
@@ -62,6 +68,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AsyncReliableConsumer",
     "AsyncReliableProducer",
     "ClaimResult",
     "CommitPolicy",

@@ -6,15 +6,18 @@ Guarantee: a failure is never swallowed: it ends as a result, RetriesExhausted (
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from confluent_kafka import KafkaException
 from tenacity import (
+    AsyncRetrying,
     RetryCallState,
     RetryError,
     Retrying,
@@ -103,67 +106,135 @@ class RetryPolicy:
         """
         # The first attempt runs bare: it is the per-record hot path of every consumer, and tenacity's
         # machinery costs several times a cheap handler. Only a failure enters it, replayed as attempt 1.
-        if first_error is not None:
-            replay: list[BaseException] = [first_error]
-        else:
+        if first_error is None:
             try:
                 return fn()
             except BaseException as exc:
-                replay = [exc]
-        made = 0
-        last_error: BaseException | None = None
-
-        def attempt() -> T:
-            nonlocal made, last_error
-            made += 1
-            try:
-                if replay:
-                    raise replay.pop()
-                return fn()
-            except BaseException as exc:
-                last_error = exc
-                raise
-
+                first_error = exc
+        attempts = _Attempts(self, label, first_error)
         event = stop_event if stop_event is not None else threading.Event()
 
         def backoff_sleep(seconds: float) -> None:
             if event.wait(seconds):
                 raise _StopRequested
 
+        try:
+            return Retrying(**attempts.settings(backoff_sleep))(attempts.call, fn)
+        except BaseException as exc:
+            outcome = attempts.outcome(exc)
+            if outcome is exc:
+                raise
+            raise outcome from attempts.cause(exc)
+
+    async def run_async(
+        self,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        stop_event: asyncio.Event | None = None,
+        label: str = "handler",
+    ) -> T:
+        """run() for a coroutine function, on the event loop: the same attempts, backoffs and outcomes.
+
+        The backoff is an asyncio sleep, cut short by `stop_event` (RetryInterrupted). Cancelling the
+        awaiting task cancels the attempt or the backoff under way: CancelledError propagates unchanged,
+        never counted as a failed attempt (the record is unfinished, not poison).
+        """
+        try:
+            return await fn()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            first_error = exc
+        attempts = _Attempts(self, label, first_error)
+
+        async def backoff_sleep(seconds: float) -> None:
+            if stop_event is None:
+                await asyncio.sleep(seconds)
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop_event.wait(), seconds)
+                raise _StopRequested
+
+        try:
+            return await AsyncRetrying(**attempts.settings(backoff_sleep))(attempts.call_async, fn)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            outcome = attempts.outcome(exc)
+            if outcome is exc:
+                raise
+            raise outcome from attempts.cause(exc)
+
+
+class _Attempts:
+    """One record's retrying after its first attempt failed: what run() and run_async() share (the tenacity
+    settings, the count, the last error and what the ending means)."""
+
+    def __init__(self, policy: RetryPolicy, label: str, first_error: BaseException) -> None:
+        self._policy = policy
+        self._label = label
+        self._replay = [first_error]  # attempt 1 was made already: tenacity starts by replaying it
+        self.made = 0
+        self.last_error: BaseException | None = None
+
+    def call(self, fn: Callable[[], T]) -> T:
+        self.made += 1
+        try:
+            if self._replay:
+                raise self._replay.pop()
+            return fn()
+        except BaseException as exc:
+            self.last_error = exc
+            raise
+
+    async def call_async(self, fn: Callable[[], Awaitable[T]]) -> T:
+        self.made += 1
+        try:
+            if self._replay:
+                raise self._replay.pop()
+            return await fn()
+        except BaseException as exc:
+            self.last_error = exc
+            raise
+
+    def settings(self, sleep: Callable[[float], Any]) -> dict[str, Any]:
+        policy = self._policy
+
         def log_retry(state: RetryCallState) -> None:
             logger.warning(
                 "%s failed on attempt %d/%d (%s: %s); retrying in %.2fs",
-                label,
+                self._label,
                 state.attempt_number,
-                self.attempts,
-                type(last_error).__name__,
-                last_error,
+                policy.attempts,
+                type(self.last_error).__name__,
+                self.last_error,
                 state.upcoming_sleep,
             )
 
-        backoff = (wait_random_exponential if self.jitter else wait_exponential)(
-            multiplier=self.initial_backoff_s, max=self.max_backoff_s
+        backoff = (wait_random_exponential if policy.jitter else wait_exponential)(
+            multiplier=policy.initial_backoff_s, max=policy.max_backoff_s
         )
-        retrying = Retrying(
-            stop=stop_after_attempt(self.attempts),
-            wait=backoff,
-            retry=retry_if_exception(self._worth_retrying),
-            sleep=backoff_sleep,
-            before_sleep=log_retry,
-        )
-        try:
-            return retrying(attempt)
-        except _StopRequested:
-            assert last_error is not None  # a backoff only ever follows a failed attempt
-            raise RetryInterrupted(last_error, made) from last_error
-        except RetryError as exc:
+        return {"stop": stop_after_attempt(policy.attempts), "wait": backoff,
+                "retry": retry_if_exception(policy._worth_retrying), "sleep": sleep, "before_sleep": log_retry}
+
+    def outcome(self, exc: BaseException) -> BaseException:
+        """What the retrying's ending `exc` means for the caller."""
+        if isinstance(exc, _StopRequested):
+            assert self.last_error is not None  # a backoff only ever follows a failed attempt
+            return RetryInterrupted(self.last_error, self.made)
+        if isinstance(exc, RetryError):
             error = exc.last_attempt.exception()
             assert error is not None  # tenacity only gives up after a failure
-            raise RetriesExhausted(error, made) from error
-        except RetryInterrupted:
-            raise
-        except Exception as exc:  # not worth retrying: poison at once
-            raise RetriesExhausted(exc, made) from exc
+            return RetriesExhausted(error, self.made)
+        if isinstance(exc, RetryInterrupted) or not isinstance(exc, Exception):
+            return exc  # a stop request travelling outwards; KeyboardInterrupt, SystemExit: unchanged
+        return RetriesExhausted(exc, self.made)  # not worth retrying: poison at once
+
+    def cause(self, exc: BaseException) -> BaseException | None:
+        """The error a translated outcome is chained to: the handler's last one."""
+        if isinstance(exc, RetryError):
+            return exc.last_attempt.exception()
+        return self.last_error if isinstance(exc, _StopRequested) else exc
 
 
 def retry_kafka_call(

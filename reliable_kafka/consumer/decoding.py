@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from confluent_kafka import Message
 
-from reliable_kafka.consumer.work import BatchHandler, Handler
+from reliable_kafka.consumer.work import AsyncHandler, BatchHandler, Handler
 from reliable_kafka.errors import DeserializationError
 from reliable_kafka.serdes import Decode
 
@@ -53,6 +53,22 @@ class Decoding:
             try:
                 decode(msg)
                 return handler(msg)
+            except BaseException:
+                _restore(msg, raw_key, raw_value)
+                raise
+
+        return decoded
+
+    def async_handler(self, handler: AsyncHandler) -> AsyncHandler:
+        """handler() for an async handler: decoded on the loop before each attempt (keep deserializers
+        quick, as in aiokafka), restored when the attempt fails."""
+        decode = self.decode
+
+        async def decoded(msg: Message) -> object:
+            raw_key, raw_value = msg.key(), msg.value()
+            try:
+                decode(msg)
+                return await handler(msg)
             except BaseException:
                 _restore(msg, raw_key, raw_value)
                 raise

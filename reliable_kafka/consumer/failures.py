@@ -6,17 +6,18 @@ otherwise it stays in flight, its partition commits nothing past it, and the DLQ
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from reliable_kafka import telemetry
 from reliable_kafka.config import connection_settings
 from reliable_kafka.consumer.commits import CommitCoordinator, Partitions
 from reliable_kafka.consumer.dedup_stage import DedupStage
-from reliable_kafka.consumer.work import BatchHandler, Handler, Work
+from reliable_kafka.consumer.work import AsyncHandler, BatchHandler, Handler, Work
 from reliable_kafka.dlq import DeadLetterPolicy, dead_letter_headers, dlq_topic_for
 from reliable_kafka.errors import (
     DeadLetterFailed,
@@ -31,6 +32,8 @@ from reliable_kafka.stats import Counters
 log = logging.getLogger(__name__)
 
 Stuck = tuple[Work, BaseException, int]  # a poison record whose DLQ write failed: error, attempts
+# Runs a blocking call off the event loop and awaits it (loop.run_in_executor on the consumer's pool).
+Offload = Callable[..., Awaitable[bool]]
 
 
 class DeadLetters:
@@ -145,16 +148,44 @@ class FailureStages:
                 else:
                     self._retry.run(lambda: handler(w.msg), stop_event=self._stop, label=label,
                                     first_error=replay)
-            except RetryInterrupted:
-                self._release([w])  # unfinished, not poison: it is delivered again after the restart
-                return
-            except RetriesExhausted as exc:
-                if self._store_was_down(exc, label):
+            except (RetryInterrupted, RetriesExhausted) as exc:
+                if self.settle(w, exc, label):
                     continue
-                self._dead_letter_or_hold(w, exc.last_error or exc, exc.attempts)
                 return
             self.handled(w)
             return
+
+    async def process_async(self, handler: AsyncHandler, w: Work, *, stop: asyncio.Event,
+                            offload: Offload) -> None:
+        """process() for an async handler, on the event loop: the same retries (asyncio backoffs, cut
+        short by `stop`), then the same settling, which `offload` runs off the loop (a dead-letter
+        write waits for its acknowledgement, a dedup release calls the store)."""
+        label = f"{w.msg.topic()}[{w.msg.partition()}]@{w.msg.offset()}"
+        while True:
+            try:
+                if self._tracing:
+                    with telemetry.process_span(w.msg, self._group):
+                        await self._retry.run_async(lambda: handler(w.msg), stop_event=stop, label=label)
+                else:
+                    await self._retry.run_async(lambda: handler(w.msg), stop_event=stop, label=label)
+            except (RetryInterrupted, RetriesExhausted) as exc:
+                if await offload(self.settle, w, exc, label):
+                    continue
+                return
+            self.handled(w)
+            return
+
+    def settle(self, w: Work, failure: RetryInterrupted | RetriesExhausted, label: str) -> bool:
+        """A record whose retries ended without success: unfinished (stop requested) is released, poison
+        goes to the DLQ (or is held). Returns True when it is to be run again instead: the handler's own
+        dedup store was down, which is no poison. May block (a DLQ write, a wait)."""
+        if isinstance(failure, RetryInterrupted):
+            self._release([w])  # unfinished, not poison: it is delivered again after the restart
+            return False
+        if self._store_was_down(failure, label):
+            return True
+        self._dead_letter_or_hold(w, failure.last_error or failure, failure.attempts)
+        return False
 
     def process_batch(self, batch_handler: BatchHandler, handler: Handler, works: list[Work]) -> None:
         """Retry the batch as a whole; if it still fails, find the poison: each record on its own

@@ -23,7 +23,7 @@ from reliable_kafka.consumer.dedup_stage import DedupPolicy, DedupStage, KeyFunc
 from reliable_kafka.consumer.failures import DeadLetters, FailureStages
 from reliable_kafka.consumer.fetcher import Fetcher
 from reliable_kafka.consumer.rebalance import RebalanceHandler
-from reliable_kafka.consumer.strategies import choose
+from reliable_kafka.consumer.strategies import ClaimedStrategy, RecordStrategy, choose
 from reliable_kafka.consumer.work import BatchHandler, Handler
 from reliable_kafka.dedup.base import DedupStore
 from reliable_kafka.deprecation import warn_deprecated
@@ -197,6 +197,15 @@ class ReliableConsumer:
         strategy = choose(handler, batch=batch, concurrency=self._concurrency, tracing=self._tracing,
                           dedup=self._dedup, single_topic=self._single_topic, fetcher=self._fetcher,
                           failures=self._failures, commits=self._commits, counters=self._counters)
+        self._serve(strategy, deadline)
+
+    def _serve(self, strategy: RecordStrategy | ClaimedStrategy, deadline: float | None) -> None:
+        """The fetch loop of run(), for any strategy: every front end runs this on the thread that owns
+        the client (AsyncReliableConsumer on its own thread, with a strategy that hands records to the
+        event loop). Until stop() or `deadline`: fetch, retry stuck dead-letter writes, confirm, commit.
+        Then the graceful stop: finish in-flight records (strategy.close, bounded by revoke_timeout_s),
+        confirm, commit."""
+        saved_wait_idle = self._rebalance.wait_idle
         self._rebalance.wait_idle = strategy.wait_idle
         fetcher, failures, commits = self._fetcher, self._failures, self._commits
         try:
@@ -208,6 +217,8 @@ class ReliableConsumer:
         finally:
             # Graceful stop: finish in-flight records, confirm, commit.
             strategy.close(self._revoke_timeout_s)
+            # Nothing runs records any more: a revoke in close() has nothing to wait for.
+            self._rebalance.wait_idle = saved_wait_idle
             try:
                 commits.commit()
             except ReliableKafkaError as exc:

@@ -41,13 +41,21 @@ class RebalanceHandler:
         self._commits = commits
         self._revoke_timeout_s = revoke_timeout_s
         self._paused_by_us: Partitions = set()
+        self._held: Partitions = set()  # as the callbacks said: read without asking librdkafka (see `held`)
         self._states: list[PartitionState] = []
         self.wait_idle: Callable[[float, Partitions | None], bool] = _idle
 
     def also_forget(self, *states: PartitionState) -> None:
         self._states.extend(states)
 
+    @property
+    def held(self) -> list[tuple[str, int]]:
+        """The partitions assigned to us, as the callbacks reported them. Unlike Consumer.assignment(), it
+        does not wait for the client: a librdkafka call from another thread waits while consume() runs."""
+        return sorted(self._held)
+
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._held |= {(tp.topic, tp.partition) for tp in partitions}
         for tp in partitions:
             self._commits.reset(tp.topic, tp.partition)
             self._paused_by_us.discard((tp.topic, tp.partition))
@@ -82,6 +90,7 @@ class RebalanceHandler:
         for state in self._states:
             state.forget(partitions)
         self._paused_by_us -= partitions
+        self._held -= partitions
 
     def pause_all(self) -> None:
         assigned = self.client.assignment()

@@ -1,17 +1,19 @@
 """Processing strategies: how fetched records reach the handler, chosen once when run() starts.
 
 Guarantee: every strategy completes a record only after its handler (or the DLQ) finished with it, and
-keeps each partition's records in order (across workers: all records of one key go to one worker).
+keeps each partition's records in order (across workers or lanes: all records of one key go to one).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
 import zlib
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import Message
@@ -19,9 +21,9 @@ from confluent_kafka import Message
 from reliable_kafka import telemetry
 from reliable_kafka.consumer.commits import CommitCoordinator, Partitions
 from reliable_kafka.consumer.dedup_stage import DedupStage
-from reliable_kafka.consumer.failures import FailureStages
+from reliable_kafka.consumer.failures import FailureStages, Offload
 from reliable_kafka.consumer.fetcher import Fetcher
-from reliable_kafka.consumer.work import BatchHandler, Handler, Work
+from reliable_kafka.consumer.work import AsyncHandler, BatchHandler, Handler, Work
 from reliable_kafka.stats import Counters
 
 log = logging.getLogger(__name__)
@@ -203,9 +205,7 @@ class ConcurrentStrategy(RecordStrategy):
     def handle(self, works: list[Work]) -> None:
         queues, n = self._queues, len(self._queues)
         for w in works:
-            key = w.msg.key()
-            route = key if key is not None else f"{w.msg.topic()}/{w.msg.partition()}".encode()
-            queues[zlib.crc32(route) % n].put(w)
+            queues[lane_of(w.msg, n)].put(w)
 
     def _work(self, q: queue.Queue[Work | None]) -> None:
         while True:
@@ -219,18 +219,7 @@ class ConcurrentStrategy(RecordStrategy):
 
     def wait_idle(self, timeout: float, partitions: Partitions | None = None) -> bool:
         """Wait until the workers finished what is in flight (of `partitions`, or all but stuck records)."""
-        tracker = self._commits.tracker
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            self._commits.confirm_handled()
-            if partitions is None:
-                busy = tracker.in_flight() - self._failures.dead_letters.stuck_count() > 0
-            else:
-                busy = any(tracker.in_flight(t, p) for t, p in partitions)
-            if not busy:
-                return True
-            time.sleep(0.01)
-        return False
+        return _wait_idle(self._commits, self._failures, timeout, partitions)
 
     def close(self, timeout: float) -> None:
         """Graceful stop: let the workers finish in-flight records, then end them."""
@@ -239,6 +228,74 @@ class ConcurrentStrategy(RecordStrategy):
             q.put(None)
         for t in self._workers:
             t.join(timeout=timeout)
+
+
+class LoopStrategy(RecordStrategy):
+    """Hands fetched records to an event loop, where `concurrency` lanes (tasks) run an async handler.
+
+    The fetch thread calls handle() (one hand-over to the loop per batch); records of one key (or,
+    without a key, one partition) share a lane, as ConcurrentStrategy's workers do, so they run one
+    after the other in offset order. Each record goes through FailureStages.process_async(); what may
+    block (a dead-letter write) runs on `offload`'s threads, never on the loop.
+    """
+
+    def __init__(self, handler: AsyncHandler, concurrency: int, loop: asyncio.AbstractEventLoop,
+                 stop: asyncio.Event, offload: Offload, fetcher: Fetcher, failures: FailureStages,
+                 commits: CommitCoordinator, stop_consumer: Callable[[], None] = lambda: None) -> None:
+        super().__init__(handler, fetcher, failures, commits)
+        self._async_handler = handler
+        self._loop = loop
+        self._stop = stop  # set by stop(): cuts retry backoffs short
+        self._stop_consumer = stop_consumer  # what a lane calls when the process is stopping under it
+        self._offload = offload
+        self._lanes: list[asyncio.Queue[Work]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._concurrency = concurrency
+        self.failed: BaseException | None = None  # a BaseException a handler raised (not retried): run() raises it
+
+    def start(self) -> None:
+        """(On the loop.) Start the lanes."""
+        for i in range(self._concurrency):
+            q: asyncio.Queue[Work] = asyncio.Queue()
+            self._lanes.append(q)
+            self._tasks.append(self._loop.create_task(self._lane(q), name=f"reliable-kafka-lane-{i}"))
+
+    def handle(self, works: list[Work]) -> None:
+        """(On the fetch thread.) Tracked records, to the loop in one hand-over."""
+        if works:
+            self._loop.call_soon_threadsafe(self._dispatch, works)
+
+    def _dispatch(self, works: list[Work]) -> None:
+        lanes, n = self._lanes, len(self._lanes)
+        for w in works:
+            lanes[lane_of(w.msg, n)].put_nowait(w)
+
+    async def _lane(self, q: asyncio.Queue[Work]) -> None:
+        process, handler, stop, offload = self._failures.process_async, self._async_handler, self._stop, self._offload
+        while True:
+            w = await q.get()
+            try:
+                await process(handler, w, stop=stop, offload=offload)
+            except Exception:
+                log.exception("lane failed on a record; it stays uncommitted and will be redelivered")
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit from a handler: the process stopping
+                self.failed = exc
+                self._stop_consumer()
+                return
+
+    def wait_idle(self, timeout: float, partitions: Partitions | None = None) -> bool:
+        """(On the fetch thread.) Wait until the lanes finished what is in flight (of `partitions`, or all
+        but stuck records)."""
+        return _wait_idle(self._commits, self._failures, timeout, partitions, lambda: self.failed is not None)
+
+    async def cancel(self) -> None:
+        """(On the loop.) End the lanes: a handler still running is cancelled, its record stays unfinished
+        (in flight, never committed) and is delivered again to the partition's next owner."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 class ClaimedStrategy:
@@ -306,6 +363,31 @@ class ClaimedStrategy:
             self._counters.add("handled", len(handled))
             self._commits.done_all([w for w in handled if w.key is None])
             self._dedup.confirm_later([w for w in handled if w.key is not None])
+
+
+def lane_of(msg: Message, n: int) -> int:
+    """Which of `n` workers (or lanes) runs `msg`: one per key, or, without a key, one per partition."""
+    key = msg.key()
+    route = key if key is not None else f"{msg.topic()}/{msg.partition()}".encode()
+    return zlib.crc32(route) % n
+
+
+def _wait_idle(commits: CommitCoordinator, failures: FailureStages, timeout: float, partitions: Partitions | None,
+               gave_up: Callable[[], bool] = lambda: False) -> bool:
+    """Wait until what is in flight (of `partitions`, or all but stuck records) finished elsewhere (on
+    workers, on the loop); confirms dedup keys meanwhile, so what finished becomes committable."""
+    tracker = commits.tracker
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not gave_up():
+        commits.confirm_handled()
+        if partitions is None:
+            busy = tracker.in_flight() - failures.dead_letters.stuck_count() > 0
+        else:
+            busy = any(tracker.in_flight(t, p) for t, p in partitions)
+        if not busy:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def _one_by_one(batch_handler: BatchHandler) -> Handler:

@@ -6,7 +6,7 @@ just to name a record (no import cycles between the fetcher and the stages it fe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +14,7 @@ from confluent_kafka import Message
 
 Handler = Callable[[Message], Any]
 BatchHandler = Callable[[list[Message]], Any]
+AsyncHandler = Callable[[Message], Awaitable[Any]]
 
 
 @dataclass
