@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,7 @@ class Service:
     """
 
     def __init__(self, mode: str, bootstrap: str, topic: str, workdir: Path, log_path: Path | None) -> None:
+        self.mode = mode
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.status_dir = workdir / "status"
@@ -108,6 +109,10 @@ class Service:
             if parent_of(status["pid"]) == self.master.pid:
                 out.append(Worker(status["pid"], status["unconfirmed"]))
         return out
+
+    def wait_serving(self, workers: int, timeout_s: float = 60.0) -> None:
+        if not wait_for(lambda: len(self.workers()) == workers, timeout_s=timeout_s, poll_s=0.1):
+            raise RuntimeError(f"{workers} uvicorn workers did not start serving on {self.url} within {timeout_s:.0f}s")
 
     def kill_worker(self, pid: int) -> None:
         if self.master is None or parent_of(pid) != self.master.pid:
@@ -195,6 +200,67 @@ class LoadGenerator:
                 await asyncio.sleep(0.1)  # the server is down or restarting: do not spin
 
 
+@dataclass
+class FaultLog:
+    """What `inject` did: worker SIGKILLs, what their victims held, and notes for the result's detail."""
+
+    kills: int = 0
+    held: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def inject(service: Service, load: LoadGenerator, *, faults: Sequence[str], between: tuple[int, int], margin: int,
+           rng: random.Random, what: str) -> FaultLog:
+    """Run `faults` against the serving `service` while `load` runs; returns once the service answered
+    `between[0]` more requests after the last one.
+
+    Each fault fires once a random `between` more requests got a 200 since the last one and a worker's
+    status shows at least `margin` unconfirmed messages; that worker is the victim ("worker"), or the
+    whole server is killed and started again with one worker fewer ("restart"). Bounded: three waits of
+    60 s per fault, then FaultNotArmed.
+    """
+    done = FaultLog()
+    serving = len(service.workers())
+    for n, fault in enumerate(faults, 1):
+        mark, wanted = len(load.acked), rng.randint(*between)
+        chosen: list[Worker] = []
+
+        def ready(mark: int = mark, wanted: int = wanted, chosen: list[Worker] = chosen) -> bool:
+            if not load.running:
+                raise RuntimeError("the load generator stopped")
+            if len(load.acked) - mark < wanted:
+                return False
+            holding = [w for w in service.workers() if w.unconfirmed >= margin]
+            chosen[:] = sorted(holding, key=lambda w: w.unconfirmed)[-1:]
+            return bool(chosen)
+
+        def fire(fault: str = fault, chosen: list[Worker] = chosen) -> int:
+            if fault == "worker":
+                service.kill_worker(chosen[0].pid)
+            else:
+                service.kill()
+            return chosen[0].unconfirmed
+
+        held = fire_when(ready, fire, what=f"{what}: {fault} SIGKILL {n}", rearm=lambda: None, timeout_s=60,
+                         poll_s=0.01)
+        log.info("%s: %s SIGKILL %d; the victim held %d unconfirmed", what, fault, n, held)
+        done.held += held
+        if fault == "worker":
+            done.kills += 1
+        else:
+            serving = max(1, serving - 1)
+            pool = ""
+            if service.mode == "reliable":
+                pool = f" with {_pool_pending(service.outbox_dir)} pending in the outbox pool"
+            service.start(serving)
+            done.notes.append(f"server SIGKILLed{pool}, restarted with {serving} worker(s)")
+    # The load goes on until the service answered again after the last fault.
+    mark = len(load.acked)
+    if not wait_for(lambda: len(load.acked) - mark >= between[0], timeout_s=60, poll_s=0.05):
+        raise RuntimeError(f"{what}: the service answered no requests after its last fault")
+    return done
+
+
 def _faulted_run(cluster: LocalKafkaCluster, name: str, client: str, rng: random.Random, *, faults: Sequence[str],
                  between: tuple[int, int], workers: int, log_path: Path | None) -> ScenarioResult:
     bs = cluster.bootstrap_servers
@@ -202,64 +268,25 @@ def _faulted_run(cluster: LocalKafkaCluster, name: str, client: str, rng: random
     topic = topic_name(name, client)
     cluster.create_topic(topic, 3, 3, {"min.insync.replicas": 2})
     mode = "reliable" if client == RELIABLE else "control"
-    notes: list[str] = []
     with tempfile.TemporaryDirectory() as d:
         service = Service(mode, bs, topic, Path(d), log_path)
-        load = LoadGenerator(service.url, f"{client[0]}", CONCURRENCY)
+        load = LoadGenerator(service.url, client[0], CONCURRENCY)
         try:
             service.start(workers)
-            if not wait_for(lambda: len(service.workers()) == workers, timeout_s=60, poll_s=0.1):
-                raise RuntimeError(f"{name} ({client}): {workers} uvicorn workers did not start within 60s")
+            service.wait_serving(workers)
             load.start()
-            kills, serving, held_total = 0, workers, 0
-            for n, fault in enumerate(faults, 1):
-                mark, wanted = len(load.acked), rng.randint(*between)
-
-                chosen: list[Worker] = []
-
-                def ready(mark: int = mark, wanted: int = wanted, chosen: list[Worker] = chosen) -> bool:
-                    if not load.running:
-                        raise RuntimeError("the load generator stopped")
-                    if len(load.acked) - mark < wanted:
-                        return False
-                    holding = [w for w in service.workers() if w.unconfirmed >= MARGIN[client]]
-                    chosen[:] = sorted(holding, key=lambda w: w.unconfirmed)[-1:]
-                    return bool(chosen)
-
-                def fire(fault: str = fault, chosen: list[Worker] = chosen) -> int:
-                    if fault == "worker":
-                        service.kill_worker(chosen[0].pid)
-                    else:
-                        service.kill()
-                    return chosen[0].unconfirmed
-
-                held = fire_when(ready, fire, what=f"{name} ({client}): {fault} SIGKILL {n}", rearm=lambda: None,
-                                 timeout_s=60, poll_s=0.01)
-                log.info("%s (%s): %s SIGKILL %d; the victim held %d unconfirmed", name, client, fault, n, held)
-                if fault == "worker":
-                    kills += 1
-                else:
-                    serving = max(1, serving - 1)
-                    pool = ""
-                    if client == RELIABLE:
-                        pool = f" with {_pool_pending(service.outbox_dir)} pending in the pool"
-                    service.start(serving)
-                    notes.append(f"server SIGKILLed{pool}, restarted with {serving} worker(s)")
-                held_total += held
-            # The load goes on until the service answered again after the last fault.
-            mark = len(load.acked)
-            if not wait_for(lambda: len(load.acked) - mark >= between[0], timeout_s=60, poll_s=0.05):
-                raise RuntimeError(f"{name} ({client}): the service answered no requests after its last fault")
+            done = inject(service, load, faults=faults, between=between, margin=MARGIN[client], rng=rng,
+                          what=f"{name} ({client})")
             load.stop()
             if not service.stop():
-                notes.append("the graceful shutdown timed out")
+                done.notes.append("the graceful shutdown timed out")
         finally:
             if load.running:
                 load.stop()
             service.kill()
         if client == RELIABLE:
-            notes += _drain_leftovers(bs, service.outbox_dir)
-    detail = "; ".join([f"{kills} worker SIGKILLs (victims held {held_total} unconfirmed)", *notes,
+            done.notes += _drain_leftovers(bs, service.outbox_dir)
+    detail = "; ".join([f"{done.kills} worker SIGKILLs (victims held {done.held} unconfirmed)", *done.notes,
                         f"{load.failed} requests without a 200"])
     return count(name, client, load.acked, bs, topic, started, detail)
 
