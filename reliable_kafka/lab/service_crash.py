@@ -9,7 +9,6 @@ never on a sleep. The AIOProducer control loses what it had buffered; reliable_k
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import logging
@@ -140,10 +139,7 @@ class Service:
             log.warning("service master %d did not stop within %.0fs; killing it", self.master.pid, timeout_s)
             self.kill()
             return False
-        # Workers that outlived the master (they should not) die with the group.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.master.pid, signal.SIGKILL)
-        return True
+        return True  # uvicorn's master joins its workers before it exits: none outlives it
 
 
 class LoadGenerator:
