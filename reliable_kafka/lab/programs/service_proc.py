@@ -103,6 +103,6 @@ app = FastAPI(lifespan=lifespan)
 
 
 @app.post("/send")
-async def send_one(id: str) -> Response:  # noqa: A002 - the query parameter's name
+async def send_one(id: str) -> Response:
     handle: Callable[[str], Awaitable[Response]] = app.state.handle
     return await handle(id)
