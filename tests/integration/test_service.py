@@ -50,6 +50,15 @@ def _slots(outbox_dir: Path) -> list[SlotStatus]:
         return []
 
 
+def _serving(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 async def _post_orders(url: str, ids: list[int], concurrency: int) -> list[tuple[int, dict[str, Any]]]:
     import httpx
 
@@ -87,6 +96,8 @@ def test_fastapi_example_on_three_uvicorn_workers_puts_every_200_in_the_topic_on
         assert wait_for(lambda: sum(s.locked for s in _slots(outbox_dir)) == 3, timeout_s=90, poll_s=0.2), \
             f"three workers did not each claim an outbox slot: {_slots(outbox_dir)}"
         owners = {s.owner_pid for s in _slots(outbox_dir)}
+        # The shared socket listens once a worker's lifespan finished starting (uvicorn binds it in the master).
+        assert wait_for(lambda: _serving(f"http://127.0.0.1:{port}/health"), timeout_s=60, poll_s=0.2)
         answers = asyncio.run(_post_orders(f"http://127.0.0.1:{port}", orders, concurrency=16))
         assert [code for code, _ in answers] == [200] * len(orders), [a for a in answers if a[0] != 200][:3]
         served_by = {body["worker"] for _, body in answers}
