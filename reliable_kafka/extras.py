@@ -17,6 +17,7 @@ EXTRAS: dict[str, frozenset[str]] = {
     "cli": frozenset({"click", "rich", "psutil"}),
     "plot": frozenset({"matplotlib"}),
     "redis": frozenset({"redis"}),
+    "services": frozenset({"fastapi", "uvicorn", "httpx"}),
     "spark": frozenset({"pyspark", "pyarrow", "pandas", "numpy"}),
 }
 

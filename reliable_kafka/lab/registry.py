@@ -16,6 +16,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [
     ("reliable_kafka.lab.producer_scenarios", "SCENARIOS"),
     ("reliable_kafka.lab.consumer_crash", "SCENARIO"),
+    ("reliable_kafka.lab.service_crash", "SCENARIO"),
     ("reliable_kafka.lab.eos_copier_bounce", "SCENARIO"),
     ("reliable_kafka.lab.spark_task_retry", "SCENARIO"),
 ]
