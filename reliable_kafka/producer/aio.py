@@ -18,7 +18,7 @@ from reliable_kafka.producer.front import ReliableProducer
 from reliable_kafka.producer.group_commit import Ticket
 from reliable_kafka.producer.messages import Headers, Message, Sent
 from reliable_kafka.serdes import UserSerializer
-from reliable_kafka.spool import Durability, OutboxRow
+from reliable_kafka.spool import Durability, MemorySpool, OutboxRow
 from reliable_kafka.stats import Stats
 
 
@@ -80,6 +80,14 @@ class AsyncReliableProducer:
         self._waiters: dict[int, list[asyncio.Future[str]]] = {}  # seq -> wait() calls (touched on the loop)
         # One object for every ticket: GroupCommit calls each distinct waker once per commit.
         self._wake = self._wake_loop
+        # Memory mode accepts on the loop itself when that cannot wait (nothing queued, room in the spool and
+        # in librdkafka): its accept does no I/O, and a hand-over to the writer and a wake-up of the loop
+        # per commit cost more than the accept. Commits there were of one or two messages (nothing slows
+        # the writer down to gather more), and memory mode ran slower than process mode.
+        self._room: Callable[[], bool] | None = None
+        spool, dispatcher = self._sync._spool, self._sync._dispatcher
+        if isinstance(spool, MemorySpool):
+            self._room = lambda: dispatcher.has_room() and spool.has_room()
 
     @property
     def sync(self) -> ReliableProducer:
@@ -163,13 +171,17 @@ class AsyncReliableProducer:
         loop = self._bound_loop()
         if self._starting is None or not self._starting.done():
             await self.start()
-        message = Message(topic, value, key, headers, partition, message_id)
         sync = self._sync
         if type(topic) is str and topic in sync._seen_topics:
-            row = sync._prepare_one(message)  # serializing only: no I/O
+            row = sync._prepare_call(topic, value, key, headers, partition, message_id)  # serializing only: no I/O
         else:
             # The topic's first send: its preflight asks the cluster (up to ~5 s).
-            row = await loop.run_in_executor(self._workers, sync._prepare_one, message)
+            row = await loop.run_in_executor(self._workers, sync._prepare_one,
+                                             Message(topic, value, key, headers, partition, message_id))
+        if self._room is not None:
+            done = self._group.try_inline(row, self._room)
+            if done is not None:
+                return sync._sent_one(row, *done)
         outcome: asyncio.Future[tuple[int, str | None]] = loop.create_future()
         self._group.submit_async(row, self._wake, outcome)
         seq, error = await outcome

@@ -116,6 +116,10 @@ class Dispatcher:
         events (errors, logs) the poller has not served yet, as len(Producer) counts them."""
         return len(self._producer)
 
+    def has_room(self) -> bool:
+        """Whether accept() would hand over without first waiting for librdkafka to take fewer messages."""
+        return len(self._producer) < self._max_in_flight
+
     @property
     def dispatched_upto(self) -> int:
         """The highest seq handed to librdkafka in order (every seq up to it went before it)."""

@@ -189,7 +189,7 @@ class ReliableProducer:
         preflight refuses the topic, SerializationError for a value that is not bytes, and
         DeliveryFailed when Kafka refused it at once (it is then kept in the outbox as failed).
         """
-        row = self._prepare_one(Message(topic, value, key, headers, partition, message_id))
+        row = self._prepare_call(topic, value, key, headers, partition, message_id)
         seq, error = self._group.submit(row)
         return self._sent_one(row, seq, error)
 
@@ -224,6 +224,17 @@ class ReliableProducer:
         for topic in {r.topic for r in rows} - self._seen_topics:
             self._guard.preflight(topic)
         return rows
+
+    def _prepare_call(self, topic: str, value: Any, key: Any, headers: Headers, partition: int | None,
+                      message_id: str | None) -> NewMessage:
+        """Step 1 of send(): its arguments as a row. The plain case (bytes to a topic already checked, no
+        headers, partition or id, no tracing) is a tuple and an id; building the Message and running the
+        Preparer for it was a quarter of a memory-mode send() (~4 of 16 us CPU, dead-broker harness)."""
+        if (type(value) is bytes and headers is None and partition is None and message_id is None
+                and (key is None or type(key) is bytes) and not self._tracing and self._started
+                and not self._closed and type(topic) is str and topic in self._seen_topics):
+            return new_tuple(NewMessage, (new_id(), topic, value, key, (), None))
+        return self._prepare_one(Message(topic, value, key, headers, partition, message_id))
 
     def _prepare_one(self, message: Message) -> NewMessage:
         """Step 1 of send(): _prepare() for one Message, without a batch's list, id batch or set

@@ -31,12 +31,14 @@ MAX_BATCH = 1_000
 class Ticket:
     """One submitted message and, once its commit ran, its outcome: `seq` and `error`, or `exc`."""
 
-    __slots__ = ("row", "waker", "token", "seq", "error", "exc", "done")
+    __slots__ = ("row", "waker", "token", "gate", "seq", "error", "exc", "done")
 
     def __init__(self, row: NewMessage, waker: Waker | None = None, token: Any = None) -> None:
         self.row = row
-        self.waker = waker  # None for a sync ticket: its caller waits on the condition
+        self.waker = waker  # None for a sync ticket: its caller waits on `gate`
         self.token = token  # the async caller's handle (an asyncio future, say): GroupCommit never reads it
+        # A sync caller's own wake-up: held from submission until its commit ran or it is asked to lead.
+        self.gate: threading.Lock | None = None
         self.seq = 0
         self.error: str | None = None  # Kafka refused it at once (it is kept in the outbox as failed)
         self.exc: BaseException | None = None  # accept() raised: nothing of its batch was stored
@@ -48,9 +50,15 @@ class GroupCommit:
 
     Sync callers (`submit`) use leader/follower: a caller that finds no commit in progress leads, and
     commits the oldest queued tickets (its own among them) inline on its own thread; callers that arrive
-    meanwhile queue and wait, and when the leader is done one of them leads the next batch. A leader
-    commits one batch and hands on, so under sustained load no caller serves others for long, and each
-    caller waits at most for the batches queued ahead of it (FIFO, at most `max_batch` each).
+    meanwhile queue and wait. A leader commits one batch and hands on, so under sustained load no caller
+    serves others for long, and each caller waits at most for the batches queued ahead of it (FIFO, at
+    most `max_batch` each).
+
+    Each waiting caller sleeps on its own gate (a lock), and a commit wakes exactly the callers it
+    settled plus the owner of the oldest queued ticket, whom it makes the next leader. Waking every
+    waiter on each commit (one condition) cost 16 sending threads a wake-up each per commit, though only
+    the few it settled could go on: each of those wake-ups is a GIL hand-over, and they made 16 threads
+    no faster than one.
 
     Async callers (`submit_async`) never wait here: their ticket carries a waker, called once per commit
     with all of that commit's tickets it owns. When no sync caller is leading, a writer thread (started
@@ -65,11 +73,12 @@ class GroupCommit:
         self._max_batch = max_batch
         self._name = name
         self._lock = threading.Lock()
-        self._followers = threading.Condition(self._lock)  # sync callers waiting for their ticket or a turn
         self._writer_wake = threading.Condition(self._lock)  # the writer thread, waiting for async tickets
         self._queue: deque[Ticket] = deque()
-        self._leading = False  # a commit is in progress (its leader owns the batch it took)
-        self._waiting = 0  # sync followers in wait(): no notify_all when there are none
+        # A commit is in progress, or a queued sync caller was made the next leader and is waking up: either
+        # way no one else may start one (a sync ticket is only ever queued while this is true).
+        self._leading = False
+        self._successor: Ticket | None = None  # the queued sync ticket whose caller was made the next leader
         self._writer: threading.Thread | None = None
         self._closed = False
 
@@ -82,7 +91,10 @@ class GroupCommit:
         """
         lock = self._lock
         lock.acquire()
-        if not self._leading and not self._queue and not self._closed:
+        if self._closed:
+            lock.release()
+            raise ProducerClosed("send after close(): create a new producer")
+        if not self._leading and not self._queue:
             # Nobody is committing and nobody waits: commit alone, inline, without a ticket. This is the
             # single-threaded send() path: no thread hand-off, no queue, two lock round trips.
             self._leading = True
@@ -93,39 +105,64 @@ class GroupCommit:
             finally:
                 self._hand_on(())
             return seq, errors.get(seq) if errors else None
-        lock.release()
         ticket = Ticket(row)
-        with lock:
-            self._enqueue(ticket)
-        return self._follow(ticket)
-
-    def _follow(self, ticket: Ticket) -> tuple[int, str | None]:
-        """Wait for a queued sync ticket, leading whenever no one else does.
-
-        A leader commits the oldest queued tickets, which hold its own unless more than max_batch were
-        queued ahead of it: then it commits those, and leads again only if no one else took over.
-        """
-        while True:
-            with self._lock:
-                while not ticket.done and self._leading:
-                    self._waiting += 1
-                    try:
-                        self._followers.wait()
-                    finally:
-                        self._waiting -= 1
-                if ticket.done:
-                    break
-                batch = self._take()
-            self._commit(batch)
-            if ticket.done:
-                break
-        return self._outcome(ticket)
-
-    @staticmethod
-    def _outcome(ticket: Ticket) -> tuple[int, str | None]:
+        gate = ticket.gate = threading.Lock()
+        gate.acquire()  # held until a commit settles the ticket or makes its caller the next leader
+        self._queue.append(ticket)
+        waiting = self._leading
+        self._leading = True  # a no-op when waiting; otherwise only async tickets wait, and this caller leads
+        lock.release()
+        try:
+            if waiting:
+                gate.acquire()
+            while not ticket.done:
+                # (Leading.) The oldest queued tickets: its own among them unless more than max_batch were
+                # queued ahead of it; then it waits again, for its commit or for its turn to lead.
+                with lock:
+                    self._successor = None
+                    batch = self._take()
+                self._commit(batch)
+                if not ticket.done:
+                    gate.acquire()
+        except BaseException:
+            self._abandon(ticket)  # interrupted while waiting (KeyboardInterrupt): others must go on
+            raise
         if ticket.exc is not None:
             raise ticket.exc
         return ticket.seq, ticket.error
+
+    def try_inline(self, row: NewMessage, ready: Callable[[], bool]) -> tuple[int, str | None] | None:
+        """submit(), but only when it would commit at once on this thread: no commit in progress, nothing
+        queued, and `ready()` (the accept would not wait either). Otherwise None, having done nothing.
+
+        For a caller that must not block (an event loop) and an accept() that does no I/O (memory mode):
+        a commit of its own is then cheaper than a hand-over to the writer and a wake-up back.
+        """
+        lock = self._lock
+        with lock:
+            if self._leading or self._queue or self._closed or not ready():
+                return None
+            self._leading = True
+        errors: dict[int, str] = {}
+        try:
+            seq = self._accept((row,), errors)[0]
+        finally:
+            self._hand_on(())
+        return seq, errors.get(seq) if errors else None
+
+    def _abandon(self, ticket: Ticket) -> None:
+        """Take back a sync ticket whose caller stopped waiting: not stored if no commit took it yet, and
+        leadership passed on if it had been handed to this caller."""
+        with self._lock:
+            if ticket.done:
+                return
+            if ticket in self._queue:
+                self._queue.remove(ticket)
+            designated = self._successor is ticket
+            if designated:
+                self._successor = None
+        if designated:
+            self._hand_on(())
 
     # ---- async callers ---------------------------------------------------------------------
 
@@ -153,6 +190,7 @@ class GroupCommit:
                     self._writer_wake.wait()
                 if not self._queue:
                     return  # closed and drained
+                self._leading = True
                 batch = self._take()
             self._commit(batch)
 
@@ -183,8 +221,7 @@ class GroupCommit:
         self._queue.append(ticket)
 
     def _take(self) -> list[Ticket]:
-        """(Lock held, no one leading.) Become the leader of the oldest queued tickets."""
-        self._leading = True
+        """(Lock held, leading.) The oldest queued tickets, for one commit."""
         queue, n = self._queue, min(len(self._queue), self._max_batch)
         return [queue.popleft() for _ in range(n)]
 
@@ -215,12 +252,21 @@ class GroupCommit:
                 log.exception("could not wake %d async sender(s) after their commit", len(tickets))
 
     def _hand_on(self, batch: Sequence[Ticket]) -> None:
-        """Mark the batch done and give up leadership: a waiting caller or the writer leads next."""
+        """Mark the batch done, wake its sync callers, and pass leadership on: to the owner of the oldest
+        queued ticket when it is a sync caller, else to the writer (async tickets), else to no one."""
         with self._lock:
             for t in batch:
                 t.done = True
-            self._leading = False
-            if self._waiting:
-                self._followers.notify_all()
-            if self._queue and self._writer is not None:
-                self._writer_wake.notify()
+            queue = self._queue
+            head = queue[0] if queue else None
+            if head is not None and head.gate is not None:
+                self._successor = head  # still leading: its caller takes the next batch when it wakes
+            else:
+                self._leading = False
+                if head is not None and self._writer is not None:
+                    self._writer_wake.notify()
+        for t in batch:
+            if t.gate is not None:
+                t.gate.release()
+        if head is not None and head.gate is not None:
+            head.gate.release()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +61,40 @@ def test_a_call_from_another_event_loop_names_both_loops(tmp_path: Path) -> None
         first.run_until_complete(p.close(0.1))
     finally:
         first.close()
+
+
+def test_memory_mode_accepts_on_the_loop_while_there_is_room_and_hands_over_when_there_is_none() -> None:
+    """Memory mode's accept does no I/O, so while nothing is queued and librdkafka and the spool have room it
+    runs on the loop (no writer thread); once librdkafka holds max_in_flight (nothing is delivered: no
+    broker), sends go to the writer, whose accept may wait, and the loop keeps running meanwhile."""
+
+    def writer_running() -> bool:
+        return any(t.name == "reliable-kafka-group-commit" for t in threading.enumerate())
+
+    async def main() -> tuple[list[int], bool, bool, float]:
+        stalls: list[float] = []
+        stop = asyncio.Event()
+
+        async def probe() -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                await asyncio.sleep(0.01)
+                stalls.append(time.perf_counter() - t0 - 0.01)
+
+        p = AsyncReliableProducer(NOWHERE, durability="memory", preflight="off", max_in_flight=5)
+        await p.start()
+        seqs = [(await p.send("t", f"v-{i}".encode())).seq for i in range(5)]
+        inline_only = not writer_running()
+        probing = asyncio.create_task(probe())
+        seqs += [s.seq for s in await asyncio.gather(*(p.send("t", f"w-{i}".encode()) for i in range(5)))]
+        handed_over = writer_running()
+        stop.set()
+        await probing
+        await p.close(0.1)
+        return seqs, inline_only, handed_over, max(stalls)
+
+    seqs, inline_only, handed_over, worst = asyncio.run(main())
+    assert seqs == list(range(1, 11))
+    assert inline_only, "memory-mode sends with room went through the writer thread"
+    assert handed_over, "sends beyond max_in_flight were accepted on the loop (its accept would wait)"
+    assert worst < 0.5, f"the loop stalled {worst:.3f}s while the writer waited for room"

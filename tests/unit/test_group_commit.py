@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 import threading
 import time
 from collections.abc import Sequence
@@ -256,3 +257,41 @@ def test_a_slow_commit_does_not_stall_the_event_loop(monkeypatch: pytest.MonkeyP
     assert commits < 50
     # A commit on the loop would stall it by >= 0.3 s; a loaded 2-core host adds scheduling noise.
     assert worst < 0.15, f"the loop stalled {worst:.3f}s"
+
+
+def test_a_caller_interrupted_while_waiting_takes_its_message_back_and_the_rest_go_on() -> None:
+    """Ctrl-C while send() waits behind another commit: that message is not stored, send() raises
+    KeyboardInterrupt, and the callers queued with it are committed as usual."""
+    accept = FakeAccept()
+    group = GroupCommit(accept)
+    accept.gate.clear()
+    outcome: dict[str, object] = {}
+
+    def caller(name: str) -> None:
+        outcome[name] = group.submit(row(name))
+
+    first = threading.Thread(target=caller, args=("first",))
+    first.start()
+    assert accept.entered.wait(10)
+    behind = threading.Thread(target=caller, args=("behind",))
+    behind.start()
+    wait_for(lambda: group.queued == 1, "'behind' to queue")
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def interrupt() -> None:
+        wait_for(lambda: group.queued == 2, "the main thread to queue")
+        signal.pthread_kill(main, signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        group.submit(row("interrupted"))
+    interrupter.join(10)
+    assert group.queued == 1
+    accept.gate.set()
+    first.join(10)
+    behind.join(10)
+    assert [names for names, _ in accept.calls] == [["first"], ["behind"]]
+    assert outcome == {"first": (accept.seq_of["first"], None), "behind": (accept.seq_of["behind"], None)}
+    assert group.submit(row("after")) == (accept.seq_of["after"], None)
