@@ -157,7 +157,13 @@ class Outbox:
                 self._cond.wait(remaining)
                 self._file.usable()
             with self._file.transaction("append") as conn:
-                if plain is None:
+                if plain is None and count == 1:
+                    # One send(): the insert's own lastrowid (execute() sets it, executemany() does not)
+                    # saves a statement of the four a per-call commit ran (~5 of its ~35 us CPU).
+                    inserted = conn.execute(INSERT_SQL, rows[0]).lastrowid
+                    assert inserted is not None  # a successful INSERT sets it
+                    last = inserted
+                elif plain is None:
                     conn.executemany(INSERT_SQL, rows)
                     last = conn.execute("SELECT last_insert_rowid()").fetchone()[0]
                 else:
