@@ -24,6 +24,7 @@ from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.bench.common import BenchRow, rows_against
 from reliable_kafka.config import producer_config
 from reliable_kafka.ids import ID_HEADER, new_id
+from reliable_kafka.testing.loop_stall import LoopStallProbe
 
 BENCH = "producer-calls"
 VALUE = b"x" * 100
@@ -204,38 +205,16 @@ def _reliable_threads(bootstrap: str, topic: str, n: int, threads: int, durabili
 # ---- asyncio ------------------------------------------------------------------------------------
 
 
-class _StallProbe:
-    """A task that sleeps PROBE_S in a loop and keeps its largest overshoot: the worst time the event loop
-    was kept from running a ready task (by a callback, a blocking call, or a long run of other tasks)."""
-
-    def __init__(self) -> None:
-        self.worst_s = 0.0
-
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            before = loop.time()
-            await asyncio.sleep(PROBE_S)
-            self.worst_s = max(self.worst_s, loop.time() - before - PROBE_S)
-
-    def facts(self) -> dict[str, Any]:
-        return {"loop_stall_max_ms": round(self.worst_s * 1000, 1)}
-
-
 async def _timed_tasks(n: int, tasks: int, send_share: Callable[[int], Coroutine[Any, Any, None]],
-                       drain: Callable[[], Coroutine[Any, Any, None]]) -> tuple[float, _StallProbe]:
+                       drain: Callable[[], Coroutine[Any, Any, None]]) -> tuple[float, LoopStallProbe]:
     """Run the senders and then `drain` with the probe watching; the seconds from the first send to the end
     of `drain`."""
-    probe = _StallProbe()
-    watching = asyncio.create_task(probe.run())
-    await asyncio.sleep(0)  # the probe's first sleep starts before the senders do
-    start = time.perf_counter()
-    try:
+    with LoopStallProbe(PROBE_S) as probe:
+        await asyncio.sleep(0)  # the probe's first sleep starts before the senders do
+        start = time.perf_counter()
         await asyncio.gather(*(send_share(c) for c in shares(n, tasks)))
         await drain()
         took = time.perf_counter() - start
-    finally:
-        watching.cancel()
     return took, probe
 
 

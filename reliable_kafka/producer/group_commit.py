@@ -99,12 +99,7 @@ class GroupCommit:
             # single-threaded send() path: no thread hand-off, no queue, two lock round trips.
             self._leading = True
             lock.release()
-            errors: dict[int, str] = {}
-            try:
-                seq = self._accept((row,), errors)[0]
-            finally:
-                self._hand_on(())
-            return seq, errors.get(seq) if errors else None
+            return self._commit_alone(row)
         ticket = Ticket(row)
         gate = ticket.gate = threading.Lock()
         gate.acquire()  # held until a commit settles the ticket or makes its caller the next leader
@@ -143,6 +138,10 @@ class GroupCommit:
             if self._leading or self._queue or self._closed or not ready():
                 return None
             self._leading = True
+        return self._commit_alone(row)
+
+    def _commit_alone(self, row: NewMessage) -> tuple[int, str | None]:
+        """(Leading, nothing queued.) One message's commit on this thread, without a ticket."""
         errors: dict[int, str] = {}
         try:
             seq = self._accept((row,), errors)[0]

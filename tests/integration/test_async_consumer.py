@@ -20,6 +20,7 @@ from reliable_kafka import AsyncReliableConsumer, RetryPolicy
 from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.dlq import parse_dead_letter_headers
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
+from reliable_kafka.testing.loop_stall import LoopStallProbe
 from reliable_kafka.testing.verify import verdict
 
 pytestmark = pytest.mark.cluster
@@ -67,29 +68,6 @@ async def until(condition: Callable[[], bool], timeout_s: float, what: str) -> N
         await asyncio.sleep(0.02)
 
 
-class StallProbe:
-    """A task that sleeps 2 ms at a time and records the worst delay beyond that: how long the event loop
-    was kept from running it (by anything blocking the loop)."""
-
-    def __init__(self) -> None:
-        self.worst = 0.0
-        self._task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        while True:
-            before = time.monotonic()
-            await asyncio.sleep(0.002)
-            self.worst = max(self.worst, time.monotonic() - before - 0.002)
-
-    def __enter__(self) -> StallProbe:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
-
-
 def test_every_record_of_three_partitions_is_handled_once_in_key_order_and_committed_to_the_end(
         kafka: LocalKafkaCluster, make_topic) -> None:
     topic = make_topic(partitions=3)
@@ -112,12 +90,12 @@ def test_every_record_of_three_partitions_is_handled_once_in_key_order_and_commi
             await until(lambda: len(handled) >= len(values), 120, "every record handled")
             consumer.stop()
 
-        with StallProbe() as probe:
+        with LoopStallProbe() as probe:
             async with consumer:
                 watcher = asyncio.create_task(stop_when_all_handled())
                 await asyncio.wait_for(consumer.run(handler), 150)
                 await watcher
-        return probe.worst
+        return probe.worst_s
 
     worst = asyncio.run(main())
     log.info("async consumer, 6000 records, concurrency 16: worst event-loop stall %.1f ms, %d handlers at once",

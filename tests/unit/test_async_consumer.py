@@ -18,6 +18,7 @@ from confluent_kafka import Message, TopicPartition
 from reliable_kafka import AsyncReliableConsumer, ClientClosed, InputRefused, RetryPolicy, WrongEventLoop
 from reliable_kafka.consumer.strategies import LoopStrategy
 from reliable_kafka.errors import RetriesExhausted, RetryInterrupted
+from reliable_kafka.testing.loop_stall import LoopStallProbe
 from tests.fixtures.consumer_parts import T, parts
 
 NOWHERE = {"bootstrap.servers": "127.0.0.1:1", "group.id": "unit"}
@@ -176,14 +177,6 @@ def keyed(n: int, partitions: int = 3, keys: int = 7) -> list[Message]:
                     value=f"v{o}".encode()) for o in range(n)]
 
 
-async def probe(stop: asyncio.Event, worst: list[float]) -> None:
-    """How long the loop was kept from running this task: its worst stall, in seconds."""
-    while not stop.is_set():
-        before = time.monotonic()
-        await asyncio.sleep(0.002)
-        worst[0] = max(worst[0], time.monotonic() - before - 0.002)
-
-
 def test_run_handles_every_record_once_per_key_in_order_with_bounded_concurrency_and_commits_the_end() -> None:
     records = keyed(3_000)
     consumer, client = scripted(records, concurrency=8)
@@ -200,13 +193,10 @@ def test_run_handles_every_record_once_per_key_in_order_with_bounded_concurrency
             consumer.stop()
 
     async def main() -> float:
-        worst, done = [0.0], asyncio.Event()
-        watcher = asyncio.create_task(probe(done, worst))
-        async with consumer:
-            await asyncio.wait_for(consumer.run(handler), 30)
-        done.set()
-        await watcher
-        return worst[0]
+        with LoopStallProbe() as probe:
+            async with consumer:
+                await asyncio.wait_for(consumer.run(handler), 30)
+        return probe.worst_s
 
     worst = asyncio.run(main())
     log.info("3000 records, 8 lanes: worst event-loop stall %.1f ms", worst * 1000)
@@ -279,13 +269,10 @@ def test_a_failing_handler_is_retried_then_dead_lettered_off_the_loop_and_the_re
             consumer.stop()
 
     async def main() -> float:
-        worst, done = [0.0], asyncio.Event()
-        watcher = asyncio.create_task(probe(done, worst))
-        async with consumer:
-            await asyncio.wait_for(consumer.run(handler, stop_after=15), 30)
-        done.set()
-        await watcher
-        return worst[0]
+        with LoopStallProbe() as probe:
+            async with consumer:
+                await asyncio.wait_for(consumer.run(handler, stop_after=15), 30)
+        return probe.worst_s
 
     worst = asyncio.run(main())
     log.info("a 300 ms dead-letter write: worst event-loop stall %.1f ms", worst * 1000)

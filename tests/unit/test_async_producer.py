@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from reliable_kafka import AsyncReliableProducer, ProducerClosed, SerializationError, WrongEventLoop
+from reliable_kafka.testing.loop_stall import LoopStallProbe
 
 NOWHERE = {"bootstrap.servers": "127.0.0.1:1"}
 
@@ -72,26 +72,15 @@ def test_memory_mode_accepts_on_the_loop_while_there_is_room_and_hands_over_when
         return any(t.name == "reliable-kafka-group-commit" for t in threading.enumerate())
 
     async def main() -> tuple[list[int], bool, bool, float]:
-        stalls: list[float] = []
-        stop = asyncio.Event()
-
-        async def probe() -> None:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                await asyncio.sleep(0.01)
-                stalls.append(time.perf_counter() - t0 - 0.01)
-
         p = AsyncReliableProducer(NOWHERE, durability="memory", preflight="off", max_in_flight=5)
         await p.start()
         seqs = [(await p.send("t", f"v-{i}".encode())).seq for i in range(5)]
         inline_only = not writer_running()
-        probing = asyncio.create_task(probe())
-        seqs += [s.seq for s in await asyncio.gather(*(p.send("t", f"w-{i}".encode()) for i in range(5)))]
+        with LoopStallProbe(0.01) as probe:
+            seqs += [s.seq for s in await asyncio.gather(*(p.send("t", f"w-{i}".encode()) for i in range(5)))]
         handed_over = writer_running()
-        stop.set()
-        await probing
         await p.close(0.1)
-        return seqs, inline_only, handed_over, max(stalls)
+        return seqs, inline_only, handed_over, probe.worst_s
 
     seqs, inline_only, handed_over, worst = asyncio.run(main())
     assert seqs == list(range(1, 11))

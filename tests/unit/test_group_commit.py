@@ -17,6 +17,7 @@ from reliable_kafka import AsyncReliableProducer, OutboxFull
 from reliable_kafka.producer.dispatcher import Dispatcher
 from reliable_kafka.producer.group_commit import GroupCommit, Ticket
 from reliable_kafka.spool import NewMessage
+from reliable_kafka.testing.loop_stall import LoopStallProbe
 
 NOWHERE = {"bootstrap.servers": "127.0.0.1:1"}
 
@@ -234,23 +235,12 @@ def test_a_slow_commit_does_not_stall_the_event_loop(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(Dispatcher, "accept", slow_accept)
 
     async def main() -> tuple[float, int, int]:
-        stalls: list[float] = []
-        stop = asyncio.Event()
-
-        async def probe() -> None:
-            while not stop.is_set():
-                t0 = time.perf_counter()
-                await asyncio.sleep(0.01)
-                stalls.append(time.perf_counter() - t0 - 0.01)
-
         async with AsyncReliableProducer(NOWHERE, outbox_path=tmp_path / "o.db", preflight="off") as p:
-            probing = asyncio.create_task(probe())
-            sent = await asyncio.gather(*(p.send("t", f"v-{i}".encode()) for i in range(50)))
-            stop.set()
-            await probing
+            with LoopStallProbe(0.01) as probe:
+                sent = await asyncio.gather(*(p.send("t", f"v-{i}".encode()) for i in range(50)))
             commits = p.stats().commits
             await p.close(0.1)
-        return max(stalls), len({s.seq for s in sent}), commits
+        return probe.worst_s, len({s.seq for s in sent}), commits
 
     worst, distinct, commits = asyncio.run(main())
     assert distinct == 50
