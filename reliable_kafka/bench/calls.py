@@ -21,7 +21,7 @@ from typing import Any
 from confluent_kafka import Producer
 
 from reliable_kafka.backpressure import produce_when_room
-from reliable_kafka.bench.common import BenchRow, rows_against
+from reliable_kafka.bench.common import BenchRow, loop_stalls, rows_against
 from reliable_kafka.config import producer_config
 from reliable_kafka.ids import ID_HEADER, new_id
 from reliable_kafka.testing.loop_stall import LoopStallProbe
@@ -301,8 +301,6 @@ def rows(runs: dict[str, list[dict[str, Any]]], messages: int) -> list[BenchRow]
             if "commits" in results[0]:
                 extra["commits"] = [r["commits"] for r in results]
                 extra["msgs_per_commit"] = round(statistics.median(messages / max(1, r["commits"]) for r in results), 1)
-            if "loop_stall_max_ms" in results[0]:
-                extra["loop_stall_runs_ms"] = [r["loop_stall_max_ms"] for r in results]
-                extra["loop_stall_max_ms"] = max(extra["loop_stall_runs_ms"])
+            extra.update(loop_stalls(results))
             out.append(replace(row, extra=extra))
     return out

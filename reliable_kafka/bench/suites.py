@@ -3,7 +3,8 @@
 producer: raw confluent-kafka (acks=all + idempotence) vs ReliableProducer in memory/process/fsync mode.
 producer-calls: one send() per message from 16 / 1 threads and 200 asyncio tasks, each against raw
           confluent-kafka driven the same way (the variants and their drivers: reliable_kafka.bench.calls).
-consumer: raw poll loop with auto-commit vs ReliableConsumer (per-partition manual commits).
+consumer: raw poll loop with auto-commit vs ReliableConsumer (per-partition manual commits), and
+          aio.AIOConsumer in a loop with manual commits vs AsyncReliableConsumer (with the worst loop stall).
 dedup:    ReliableConsumer without dedup vs with SQLiteDedupStore vs with RedisDedupStore.
 eos and spark come from reliable_kafka.bench.eos / reliable_kafka.bench.spark.
 """
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from reliable_kafka.bench import calls
-from reliable_kafka.bench.common import BenchRow, rows_against, run_variant
+from reliable_kafka.bench.common import BenchRow, loop_stalls, rows_against, run_variant
 
 CreateTopic = Callable[[str, int], None]
 Progress = Callable[[str], None]
@@ -74,6 +76,11 @@ def producer_calls_bench(bootstrap: str, create_topic: CreateTopic, messages: in
     return calls.rows(results, messages)
 
 
+# The consumer bench's variants in round order, each group measured against its first.
+SYNC_CONSUMERS = ("raw", "reliable_consumer", "raw_librdkafka_defaults")
+AIO_CONSUMERS = ("aio_raw", "aio_reliable")
+
+
 def consumer_bench(bootstrap: str, create_topic: CreateTopic, messages: int, progress: Progress,
                    repeat: int = 1) -> list[BenchRow]:
     topic = _topic("consumer")
@@ -83,10 +90,13 @@ def consumer_bench(bootstrap: str, create_topic: CreateTopic, messages: int, pro
     progress("consumer: warming the brokers' fetch path up")
     run_variant("consumer", "raw", _args(bootstrap, topic, messages))
     # raw_librdkafka_defaults: the same loop at librdkafka's fetch defaults, for reference (no target).
-    results = _interleaved("consumer", ("raw", "reliable_consumer", "raw_librdkafka_defaults"),
-                           lambda: _args(bootstrap, topic, messages),
+    # aio_raw / aio_reliable: the asyncio pair, each run watched by an event-loop stall probe.
+    results = _interleaved("consumer", (*SYNC_CONSUMERS, *AIO_CONSUMERS), lambda: _args(bootstrap, topic, messages),
                            repeat, progress)
-    return rows_against("consumer", "raw", results, messages)
+    rows = rows_against("consumer", "raw", {v: results[v] for v in SYNC_CONSUMERS}, messages)
+    aio = {v: results[v] for v in AIO_CONSUMERS}
+    return rows + [replace(row, extra=loop_stalls(aio[row.variant]))
+                   for row in rows_against("consumer", "aio_raw", aio, messages)]
 
 
 def dedup_bench(bootstrap: str, create_topic: CreateTopic, messages: int, progress: Progress,

@@ -7,13 +7,14 @@ The clock runs from the first message to the last confirmation (delivery report 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import json
 import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from confluent_kafka import Consumer, Producer
@@ -113,6 +114,82 @@ def consume_raw(bootstrap: str, topic: str, n: int, fetch_like_ours: bool = True
     return took
 
 
+def _awaited(counting: _Counting) -> Callable[[Any], Awaitable[None]]:
+    """The asyncio variants' handler: an `async def` doing what _Counting does, so the sync and the asyncio
+    pairs measure the same work per record."""
+
+    async def handle(msg: Any) -> None:
+        counting(msg)
+
+    return handle
+
+
+async def consume_aio_raw(bootstrap: str, topic: str, n: int) -> tuple[float, dict[str, Any]]:
+    """Baseline for AsyncReliableConsumer: confluent-kafka's own asyncio consumer (aio.AIOConsumer), as a careful
+    user writes it: the raw loop's group settings without auto-commit, `await consume(500, 1.0)`, the async
+    handler awaited per record, then the batch's offsets committed before the next batch is fetched.
+
+    The commit names its offsets (per partition, the last handled record's offset + 1) rather than committing
+    the consumer's positions: with the default enable.auto.offset.store, consume() stores offsets as soon as
+    it returns a batch, not once it is handled, so only explicit offsets say "handled". It is synchronous
+    (asynchronous=False): AIOConsumer runs commit() on its executor's thread, so waiting for the broker
+    does not block the loop, and the await returning means the batch is committed (an asynchronous commit's
+    outcome would only reach an on_commit callback, served by a later consume()).
+    """
+    from confluent_kafka import TopicPartition
+    from confluent_kafka.aio import AIOConsumer
+
+    from reliable_kafka.config import CONSUMER_DEFAULTS
+
+    c = AIOConsumer({"bootstrap.servers": bootstrap, "group.id": f"bench-aio-raw-{time.time_ns()}",
+                     "auto.offset.reset": "earliest", "enable.auto.commit": False,
+                     "fetch.queue.backoff.ms": CONSUMER_DEFAULTS["fetch.queue.backoff.ms"]})
+    counting = _Counting(n)
+    handler = _awaited(counting)
+    probe = calls._StallProbe()
+    watching = asyncio.create_task(probe.run())
+    try:
+        await c.subscribe([topic])
+        while counting.handled < n:
+            ends: dict[tuple[str, int], int] = {}
+            for m in await c.consume(num_messages=500, timeout=1.0):
+                if m.error() is None:
+                    await handler(m)
+                    ends[(m.topic(), m.partition())] = m.offset() + 1
+            if ends:
+                committed = await c.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in ends.items()],
+                                           asynchronous=False)
+                failed = [tp for tp in committed or () if tp.error is not None]
+                if failed:
+                    raise RuntimeError(f"AIOConsumer: commit failed for {failed}")
+        took = time.perf_counter() - counting.first
+    finally:
+        watching.cancel()
+        await c.close()
+    return took, probe.facts()
+
+
+async def consume_aio_reliable(bootstrap: str, topic: str, n: int) -> tuple[float, dict[str, Any]]:
+    """Ours: AsyncReliableConsumer.run() with the same async handler, stopped by it after `n` records; the
+    clock stops when run() returned (what was handled is committed then)."""
+    from reliable_kafka.consumer.aio import AsyncReliableConsumer
+
+    consumer = AsyncReliableConsumer({"bootstrap.servers": bootstrap, "group.id": f"bench-aio-rk-{time.time_ns()}"},
+                                     [topic])
+    counting = _Counting(n, consumer.stop)
+    probe = calls._StallProbe()
+    watching = asyncio.create_task(probe.run())
+    try:
+        await consumer.run(_awaited(counting))
+        took = time.perf_counter() - counting.first
+    finally:
+        watching.cancel()
+        await consumer.close()
+    if counting.handled < n:
+        raise RuntimeError(f"AsyncReliableConsumer: run() returned after {counting.handled} of {n} records")
+    return took, probe.facts()
+
+
 def consume_reliable(bootstrap: str, topic: str, n: int, dedup: str | None, redis_url: str | None) -> float:
     from reliable_kafka.consumer import DedupPolicy, ReliableConsumer
 
@@ -148,13 +225,15 @@ def main() -> None:
     ap.add_argument("--messages", type=int, required=True)
     ap.add_argument("--redis-url")
     a = ap.parse_args()
-    # A variant returns its seconds, or (seconds, facts for its JSON) (the producer-calls variants).
+    # A variant returns its seconds, or (seconds, facts for its JSON) (producer-calls, the asyncio consumers).
     runs: dict[tuple[str, str], Callable[[], float | tuple[float, dict[str, Any]]]] = {
         ("producer", "raw"): lambda: produce_raw(a.bootstrap, a.topic, a.messages),
         ("producer", "fill"): lambda: produce_raw(a.bootstrap, a.topic, a.messages, with_ids=True),
         ("consumer", "raw"): lambda: consume_raw(a.bootstrap, a.topic, a.messages),
         ("consumer", "raw_librdkafka_defaults"): lambda: consume_raw(a.bootstrap, a.topic, a.messages, False),
         ("consumer", "reliable_consumer"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, None, None),
+        ("consumer", "aio_raw"): lambda: asyncio.run(consume_aio_raw(a.bootstrap, a.topic, a.messages)),
+        ("consumer", "aio_reliable"): lambda: asyncio.run(consume_aio_reliable(a.bootstrap, a.topic, a.messages)),
         ("dedup", "none"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, None, None),
         ("dedup", "sqlite"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, "sqlite", None),
         ("dedup", "redis"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, "redis", a.redis_url),

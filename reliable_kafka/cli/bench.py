@@ -88,12 +88,13 @@ def plot(rows: list[BenchRow], path: str) -> None:
 
 
 def _group_commit_table(rows: list[BenchRow], *, to_stderr: bool) -> None:
-    """What only the producer-calls rows measure: how many messages an outbox transaction carried (group
-    commit), and the worst event-loop stall of the asyncio runs."""
+    """What only some rows measure: how many messages an outbox transaction carried (producer-calls: group
+    commit), and the worst event-loop stall of the asyncio runs (producer-calls, consumer)."""
     shown = [r for r in rows if "msgs_per_commit" in r.extra or "loop_stall_max_ms" in r.extra]
     if not shown:
         return
-    table("per-message sends: messages per outbox transaction, worst event-loop stall (over all rounds)",
+    table("messages per outbox transaction (per-message sends), worst event-loop stall of asyncio runs "
+          "(over all rounds)",
           ["benchmark", "variant", "msgs per commit (median)", "worst loop stall ms"],
           [[r.name, r.variant, "" if "msgs_per_commit" not in r.extra else f"{r.extra['msgs_per_commit']:,.1f}",
             "" if "loop_stall_max_ms" not in r.extra else f"{r.extra['loop_stall_max_ms']:,.1f}"] for r in shown],

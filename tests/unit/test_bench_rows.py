@@ -3,6 +3,8 @@ run kept, and a run too short to mean much said so."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from reliable_kafka.bench.common import SHORT_RUN_S, BenchRow, rows_against, run_facts
 
 
@@ -95,3 +97,39 @@ def test_messages_split_evenly_over_senders() -> None:
 
     assert shares(1_000_000, 16) == [62_500] * 16
     assert shares(50_003, 200)[:3] == [251, 251, 251] and sum(shares(50_003, 200)) == 50_003
+
+
+def test_consumer_rows_pair_the_asyncio_consumers_and_carry_their_loop_stalls(monkeypatch: Any) -> None:
+    from reliable_kafka.bench import suites
+
+    rates = {"raw": 800_000.0, "reliable_consumer": 760_000.0, "raw_librdkafka_defaults": 130_000.0,
+             "aio_raw": 400_000.0, "aio_reliable": 380_000.0}
+    asked: list[tuple[str, str]] = []
+
+    def fake_run_variant(bench: str, variant: str, args: Any, timeout: float = 1800) -> dict[str, Any]:
+        asked.append((bench, variant))
+        rounds = sum(1 for b, v in asked if (b, v) == (bench, variant))
+        run: dict[str, Any] = {"msgs_per_s": rates.get(variant, 1.0), "peak_rss_mb": 100.0}
+        if variant.startswith("aio_"):  # the worker's asyncio variants report their worst stall
+            run["loop_stall_max_ms"] = {"aio_raw": 2.0, "aio_reliable": 4.0}[variant] * rounds
+        return run
+
+    monkeypatch.setattr(suites, "run_variant", fake_run_variant)
+    rows = {r.variant: r for r in suites.consumer_bench("b:9092", lambda _t, _p: None, 1_000_000, lambda _s: None,
+                                                        repeat=2)}
+    # every variant in each round, each in a worker of its own, the asyncio pair after the sync ones
+    assert asked[2:7] == [("consumer", v) for v in ("raw", "reliable_consumer", "raw_librdkafka_defaults",
+                                                    "aio_raw", "aio_reliable")]
+    assert {v: r.baseline for v, r in rows.items()} == {
+        "raw": "raw", "reliable_consumer": "raw", "raw_librdkafka_defaults": "raw",
+        "aio_raw": "aio_raw", "aio_reliable": "aio_raw"}
+    ours = rows["aio_reliable"]
+    assert ours.ratio_vs_baseline == 0.95 and ours.extra == {"loop_stall_runs_ms": [4.0, 8.0],
+                                                             "loop_stall_max_ms": 8.0}
+    assert rows["aio_raw"].extra["loop_stall_max_ms"] == 4.0 and ours.runs == (380_000.0, 380_000.0)
+    data = ours.as_json()
+    assert data["loop_stall_max_ms"] == 8.0 and BenchRow.from_json(data) == ours
+    # the sync rows' JSON is as before: no stall keys
+    assert rows["reliable_consumer"].ratio_vs_baseline == 0.95 and rows["reliable_consumer"].extra == {}
+    assert list(rows["reliable_consumer"].as_json()) == list(rows_against(
+        "consumer", "raw", {"raw": _runs(1.0)}, 1)[0].as_json())
