@@ -23,6 +23,7 @@ from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.bench import calls
 from reliable_kafka.bench.common import peak_rss_mb
 from reliable_kafka.ids import ID_HEADER, new_ids
+from reliable_kafka.testing.loop_stall import LoopStallProbe
 
 VALUE = b"x" * 100
 BATCH = 1_000
@@ -146,25 +147,23 @@ async def consume_aio_raw(bootstrap: str, topic: str, n: int) -> tuple[float, di
                      "fetch.queue.backoff.ms": CONSUMER_DEFAULTS["fetch.queue.backoff.ms"]})
     counting = _Counting(n)
     handler = _awaited(counting)
-    probe = calls._StallProbe()
-    watching = asyncio.create_task(probe.run())
     try:
-        await c.subscribe([topic])
-        while counting.handled < n:
-            ends: dict[tuple[str, int], int] = {}
-            for m in await c.consume(num_messages=500, timeout=1.0):
-                if m.error() is None:
-                    await handler(m)
-                    ends[(m.topic(), m.partition())] = m.offset() + 1
-            if ends:
-                committed = await c.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in ends.items()],
-                                           asynchronous=False)
-                failed = [tp for tp in committed or () if tp.error is not None]
-                if failed:
-                    raise RuntimeError(f"AIOConsumer: commit failed for {failed}")
-        took = time.perf_counter() - counting.first
+        with LoopStallProbe(calls.PROBE_S) as probe:
+            await c.subscribe([topic])
+            while counting.handled < n:
+                ends: dict[tuple[str, int], int] = {}
+                for m in await c.consume(num_messages=500, timeout=1.0):
+                    if m.error() is None:
+                        await handler(m)
+                        ends[(m.topic(), m.partition())] = m.offset() + 1
+                if ends:
+                    committed = await c.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in ends.items()],
+                                               asynchronous=False)
+                    failed = [tp for tp in committed or () if tp.error is not None]
+                    if failed:
+                        raise RuntimeError(f"AIOConsumer: commit failed for {failed}")
+            took = time.perf_counter() - counting.first
     finally:
-        watching.cancel()
         await c.close()
     return took, probe.facts()
 
@@ -177,13 +176,11 @@ async def consume_aio_reliable(bootstrap: str, topic: str, n: int) -> tuple[floa
     consumer = AsyncReliableConsumer({"bootstrap.servers": bootstrap, "group.id": f"bench-aio-rk-{time.time_ns()}"},
                                      [topic])
     counting = _Counting(n, consumer.stop)
-    probe = calls._StallProbe()
-    watching = asyncio.create_task(probe.run())
     try:
-        await consumer.run(_awaited(counting))
-        took = time.perf_counter() - counting.first
+        with LoopStallProbe(calls.PROBE_S) as probe:
+            await consumer.run(_awaited(counting))
+            took = time.perf_counter() - counting.first
     finally:
-        watching.cancel()
         await consumer.close()
     if counting.handled < n:
         raise RuntimeError(f"AsyncReliableConsumer: run() returned after {counting.handled} of {n} records")
