@@ -322,6 +322,7 @@ def test_records_fetched_while_the_backlog_is_full_are_held_not_dropped(kafka, m
     # The rebalance handler owns pausing: the partition then counts as paused but fetches on.
     late = _LatePause(consumer._rebalance.client, misses=1)
     consumer._rebalance.client = late  # type: ignore[assignment]
+    consumer._fetcher.room_wait_s = 0.0  # pause as soon as the backlog is full (else it waits for room first)
     _run_until(consumer, handler, lambda: len(set(handled)) >= len(values), timeout=30)
     time.sleep(0.5)
     consumer.close()
