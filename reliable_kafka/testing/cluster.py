@@ -342,13 +342,23 @@ class LocalKafkaCluster:
         }
 
     def partition_state(self, topic: str, partition: int = 0, timeout: float = 10.0) -> PartitionState | None:
-        """Leader, replicas and ISR of a partition as the cluster's metadata says now (None if unknown)."""
-        md = self._retry(lambda: self.admin().list_topics(topic, timeout=5), timeout)
-        t = md.topics.get(topic)
-        if t is None or t.error is not None or partition not in t.partitions:
-            return None
-        p = t.partitions[partition]
-        return PartitionState(leader=p.leader, replicas=list(p.replicas), isr=list(p.isrs))
+        """Leader, replicas and ISR of a partition as the cluster's metadata says now (None if it stays
+        unknown for `timeout`).
+
+        A partition the metadata does not know is asked about again: the answer comes from any broker,
+        and one that restarted a moment ago can answer without a topic created just before (seen: a test's
+        first look at its new topic, right after another test's broker restart, found nothing).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            md = self._retry(lambda: self.admin().list_topics(topic, timeout=5), max(1.0, deadline - time.monotonic()))
+            t = md.topics.get(topic)
+            if t is not None and t.error is None and partition in t.partitions:
+                p = t.partitions[partition]
+                return PartitionState(leader=p.leader, replicas=list(p.replicas), isr=list(p.isrs))
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.2)
 
     def leader_of(self, topic: str, partition: int = 0) -> int | None:
         """The node id that leads the partition, or None while it has no leader."""

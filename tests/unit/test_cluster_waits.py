@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from confluent_kafka import KafkaError
 
 from reliable_kafka.errors import ClusterError
 from reliable_kafka.testing import LocalKafkaCluster, free_port
@@ -47,3 +49,32 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == 50 and all(p < low for p in ports), ports
+
+
+class _Metadata:
+    """What list_topics() answers: the topic unknown for the first `unknown_for` answers, then known."""
+
+    def __init__(self, unknown_for: int) -> None:
+        self.answers = 0
+        self.unknown_for = unknown_for
+
+    def list_topics(self, topic: str, timeout: float) -> object:
+        self.answers += 1
+        if self.answers <= self.unknown_for:
+            return SimpleNamespace(topics={topic: SimpleNamespace(error=KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART),
+                                                                  partitions={})})
+        p = SimpleNamespace(leader=2, replicas=[1, 2, 3], isrs=[1, 2, 3])
+        return SimpleNamespace(topics={topic: SimpleNamespace(error=None, partitions={0: p})})
+
+
+def test_a_partition_a_lagging_broker_does_not_know_yet_is_asked_about_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster = LocalKafkaCluster(brokers=3)
+    metadata = _Metadata(unknown_for=3)  # e.g. answered by a broker that restarted a moment ago
+    monkeypatch.setattr(cluster, "admin", lambda: metadata)
+    state = cluster.partition_state("t")
+    assert state is not None and state.leader == 2 and metadata.answers == 4
+    never = _Metadata(unknown_for=10**6)
+    monkeypatch.setattr(cluster, "admin", lambda: never)
+    started = time.monotonic()
+    assert cluster.partition_state("t", timeout=0.5) is None
+    assert time.monotonic() - started < 3
