@@ -124,10 +124,6 @@ class MemorySpool:
         return OutboxRow(seq, m.message_id, m.topic, m.key, m.value, m.headers, m.partition, state,
                          attempts, error if error is not None else last, self._created_ms(seq))
 
-    def has_room(self, n: int = 1) -> bool:
-        """Whether append() of `n` messages would go through without waiting for room (a glance, unlocked)."""
-        return len(self._rows) + n <= self.max_messages
-
     def append(self, messages: Sequence[NewMessage], *, timeout: float = 30.0) -> list[int]:
         n = len(messages)
         if n > self.max_messages:

@@ -81,13 +81,12 @@ class AsyncReliableProducer:
         # One object for every ticket: GroupCommit calls each distinct waker once per commit.
         self._wake = self._wake_loop
         # Memory mode accepts on the loop itself when that cannot wait (nothing queued, room in the spool and
-        # in librdkafka): its accept does no I/O, and a hand-over to the writer and a wake-up of the loop
-        # per commit cost more than the accept. Commits there were of one or two messages (nothing slows
-        # the writer down to gather more), and memory mode ran slower than process mode.
-        self._room: Callable[[], bool] | None = None
-        spool, dispatcher = self._sync._spool, self._sync._dispatcher
-        if isinstance(spool, MemorySpool):
-            self._room = lambda: dispatcher.has_room() and spool.has_room()
+        # in librdkafka: Dispatcher.accept_now): its accept does no I/O, and a hand-over to the writer and a
+        # wake-up of the loop per commit cost more than the accept. Commits there were of one or two
+        # messages (nothing slows the writer down to gather more), and memory mode ran slower than process
+        # mode. accept_now never waits: an accept that waited for room on the loop stalled it for 2.5 s.
+        self._inline = isinstance(self._sync._spool, MemorySpool)
+        self._accept_now = self._sync._dispatcher.accept_now
 
     @property
     def sync(self) -> ReliableProducer:
@@ -178,8 +177,8 @@ class AsyncReliableProducer:
             # The topic's first send: its preflight asks the cluster (up to ~5 s).
             row = await loop.run_in_executor(self._workers, sync._prepare_one,
                                              Message(topic, value, key, headers, partition, message_id))
-        if self._room is not None:
-            done = self._group.try_inline(row, self._room)
+        if self._inline:
+            done = self._group.try_inline(row, self._accept_now)
             if done is not None:
                 return sync._sent_one(row, *done)
         outcome: asyncio.Future[tuple[int, str | None]] = loop.create_future()

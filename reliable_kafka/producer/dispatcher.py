@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from reliable_kafka import telemetry
+from reliable_kafka.errors import OutboxFull
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.kafka_errors import Disposition, classify, describe
 from reliable_kafka.producer.topic_guard import TopicGuard
@@ -116,10 +117,6 @@ class Dispatcher:
         events (errors, logs) the poller has not served yet, as len(Producer) counts them."""
         return len(self._producer)
 
-    def has_room(self) -> bool:
-        """Whether accept() would hand over without first waiting for librdkafka to take fewer messages."""
-        return len(self._producer) < self._max_in_flight
-
     @property
     def dispatched_upto(self) -> int:
         """The highest seq handed to librdkafka in order (every seq up to it went before it)."""
@@ -151,8 +148,21 @@ class Dispatcher:
         """
         if len(self._producer) >= self._max_in_flight:
             self._wait_for_room()
+        return self._append_and_hand_over(rows, errors, self._send_timeout_s)
+
+    def accept_now(self, rows: Sequence[NewMessage], errors: dict[int, str]) -> list[int] | None:
+        """accept(), for a caller that must not wait (an event loop): None, with nothing stored, when it
+        would wait for librdkafka to take fewer messages or for room in the spool."""
+        if len(self._producer) >= self._max_in_flight:
+            return None
+        try:
+            return self._append_and_hand_over(rows, errors, 0.0)
+        except OutboxFull:
+            return None
+
+    def _append_and_hand_over(self, rows: Sequence[NewMessage], errors: dict[int, str], timeout: float) -> list[int]:
         with self._send_lock:
-            seqs = self._spool.append(rows, timeout=self._send_timeout_s)
+            seqs = self._spool.append(rows, timeout=timeout)
             self._last_seq = seqs[-1]
             # Hand over now only when no older row waits (order first) and librdkafka has room;
             # otherwise the poller hands them over from the spool, after the older ones.
