@@ -19,12 +19,14 @@ class LoopStallProbe:
         self.interval_s = interval_s
         self.worst_s = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._asleep_since: float | None = None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            before = loop.time()
+            self._asleep_since = before = loop.time()
             await asyncio.sleep(self.interval_s)
+            self._asleep_since = None
             self.worst_s = max(self.worst_s, loop.time() - before - self.interval_s)
 
     def __enter__(self) -> LoopStallProbe:
@@ -34,6 +36,11 @@ class LoopStallProbe:
     def __exit__(self, *exc: object) -> None:
         if self._task is not None:
             self._task.cancel()
+        if self._asleep_since is not None:
+            # Still waiting for its turn: a stall that lasts until now counts too (the task is cancelled
+            # before it could measure it).
+            late = asyncio.get_running_loop().time() - self._asleep_since - self.interval_s
+            self.worst_s = max(self.worst_s, late)
 
     def facts(self) -> dict[str, Any]:
         """The worst stall for a benchmark's JSON, in milliseconds."""
