@@ -153,7 +153,9 @@ class Dispatcher:
     def accept_now(self, rows: Sequence[NewMessage], errors: dict[int, str]) -> list[int] | None:
         """accept(), for a caller that must not wait (an event loop): None, with nothing stored, when it
         would wait for librdkafka to take fewer messages or for room in the spool."""
-        if len(self._producer) >= self._max_in_flight:
+        if len(self._producer) >= self._max_in_flight or self._dispatched_upto < self._last_seq or self._redeliver:
+            # (A backlog waits for the poller: rows accepted now would only join it, while the writer's
+            # accept waits for room in librdkafka first.)
             return None
         try:
             return self._append_and_hand_over(rows, errors, 0.0)

@@ -211,3 +211,15 @@ def test_the_poller_runs_on_its_own_thread_and_stop_lets_go_of_what_librdkafka_h
     assert d.wait_until(lambda: spool.stats().pending, lambda n: n == 0, 0.3, 0.05) == 1, "no broker"
     assert d.stop() == 1, "still pending: it stays in the spool"
     assert d.in_flight == 0 and spool.stats().pending == 1
+
+
+def test_memory_spool_pending_after_a_seq_skips_to_it_and_leaves_out_what_was_settled() -> None:
+    spool = MemorySpool()
+    seqs = spool.append([NewMessage(f"id-{i}", "t", b"v") for i in range(10)])
+    assert seqs == list(range(1, 11))
+    spool.mark_delivered([3, 4, 8])
+    spool.mark_failed(9, "refused")
+    assert [r.seq for r in spool.pending()] == [1, 2, 5, 6, 7, 10]
+    assert [r.seq for r in spool.pending(after_seq=4, limit=2)] == [5, 6]
+    assert [r.seq for r in spool.pending(after_seq=7)] == [10]
+    assert spool.pending(after_seq=10) == []
