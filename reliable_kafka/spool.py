@@ -158,9 +158,9 @@ class MemorySpool:
             else:
                 # Straight to after_seq by number, not by walking the dict from its oldest row: the
                 # dispatcher asks for the rows past those it handed over, page by page, and a walk from
-                # the start cost O(pending) a page. With 500,000 pending (an event loop accepting faster
-                # than the brokers confirm) each page took tens of ms under the dispatcher's lock, and
-                # a send waiting for that lock stalled its event loop for seconds.
+                # the start cost O(pending) a page. With hundreds of thousands pending (senders faster
+                # than the brokers confirm) each page took tens of ms under the dispatcher's lock, which
+                # every send takes.
                 seqs = (seq for seq in range(after_seq + 1, self._next_seq) if seq in rows)
             for seq in seqs:
                 if seq > after_seq:

@@ -18,7 +18,7 @@ from reliable_kafka.producer.front import ReliableProducer
 from reliable_kafka.producer.group_commit import Ticket
 from reliable_kafka.producer.messages import Headers, Message, Sent
 from reliable_kafka.serdes import UserSerializer
-from reliable_kafka.spool import Durability, MemorySpool, OutboxRow
+from reliable_kafka.spool import Durability, OutboxRow
 from reliable_kafka.stats import Stats
 
 
@@ -32,10 +32,6 @@ def _resolve(tickets: list[Ticket]) -> None:
             future.set_exception(t.exc)
         else:
             future.set_result((t.seq, t.error))
-
-
-# A run of sends accepted on the loop (memory mode) lets the loop run other tasks at least this often.
-_YIELD_AFTER_S = 0.005
 
 
 class AsyncReliableProducer:
@@ -84,14 +80,6 @@ class AsyncReliableProducer:
         self._waiters: dict[int, list[asyncio.Future[str]]] = {}  # seq -> wait() calls (touched on the loop)
         # One object for every ticket: GroupCommit calls each distinct waker once per commit.
         self._wake = self._wake_loop
-        # Memory mode accepts on the loop itself when that cannot wait (nothing queued, room in the spool and
-        # in librdkafka: Dispatcher.accept_now): its accept does no I/O, and a hand-over to the writer and a
-        # wake-up of the loop per commit cost more than the accept. Commits there were of one or two
-        # messages (nothing slows the writer down to gather more), and memory mode ran slower than process
-        # mode. accept_now never waits: an accept that waited for room on the loop stalled it for 2.5 s.
-        self._inline = isinstance(self._sync._spool, MemorySpool)
-        self._resumed_at = 0.0  # loop time when a send last gave the loop a turn (see send())
-        self._accept_now = self._sync._dispatcher.accept_now
 
     @property
     def sync(self) -> ReliableProducer:
@@ -182,21 +170,9 @@ class AsyncReliableProducer:
             # The topic's first send: its preflight asks the cluster (up to ~5 s).
             row = await loop.run_in_executor(self._workers, sync._prepare_one,
                                              Message(topic, value, key, headers, partition, message_id))
-        if self._inline:
-            done = self._group.try_inline(row, self._accept_now)
-            if done is not None:
-                now = loop.time()
-                if now - self._resumed_at >= _YIELD_AFTER_S:
-                    # A send accepted on the loop does not suspend, so a task sending in a loop would keep
-                    # the loop to itself (a probe task measured 27 s without a turn over 1M sends): let the
-                    # loop run others now and then.
-                    self._resumed_at = now
-                    await asyncio.sleep(0)
-                return sync._sent_one(row, *done)
         outcome: asyncio.Future[tuple[int, str | None]] = loop.create_future()
         self._group.submit_async(row, self._wake, outcome)
         seq, error = await outcome
-        self._resumed_at = loop.time()
         return sync._sent_one(row, seq, error)
 
     async def send_many(self, messages: Iterable[Message | tuple[str, Any]]) -> list[Sent]:

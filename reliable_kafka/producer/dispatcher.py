@@ -17,7 +17,6 @@ from typing import Any, TypeVar
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from reliable_kafka import telemetry
-from reliable_kafka.errors import OutboxFull
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.kafka_errors import Disposition, classify, describe
 from reliable_kafka.producer.topic_guard import TopicGuard
@@ -148,23 +147,8 @@ class Dispatcher:
         """
         if len(self._producer) >= self._max_in_flight:
             self._wait_for_room()
-        return self._append_and_hand_over(rows, errors, self._send_timeout_s)
-
-    def accept_now(self, rows: Sequence[NewMessage], errors: dict[int, str]) -> list[int] | None:
-        """accept(), for a caller that must not wait (an event loop): None, with nothing stored, when it
-        would wait for librdkafka to take fewer messages or for room in the spool."""
-        if len(self._producer) >= self._max_in_flight or self._dispatched_upto < self._last_seq or self._redeliver:
-            # (A backlog waits for the poller: rows accepted now would only join it, while the writer's
-            # accept waits for room in librdkafka first.)
-            return None
-        try:
-            return self._append_and_hand_over(rows, errors, 0.0)
-        except OutboxFull:
-            return None
-
-    def _append_and_hand_over(self, rows: Sequence[NewMessage], errors: dict[int, str], timeout: float) -> list[int]:
         with self._send_lock:
-            seqs = self._spool.append(rows, timeout=timeout)
+            seqs = self._spool.append(rows, timeout=self._send_timeout_s)
             self._last_seq = seqs[-1]
             # Hand over now only when no older row waits (order first) and librdkafka has room;
             # otherwise the poller hands them over from the spool, after the older ones.

@@ -126,30 +126,8 @@ class GroupCommit:
             raise ticket.exc
         return ticket.seq, ticket.error
 
-    def try_inline(self, row: NewMessage, accept_now: Callable[[Sequence[NewMessage], dict[int, str]], list[int] | None]
-                   ) -> tuple[int, str | None] | None:
-        """submit(), but only when it can commit at once on this thread: no commit in progress, nothing
-        queued, and `accept_now` (an accept that returns None, storing nothing, where accept() would
-        wait) takes it. Otherwise None, having stored nothing.
-
-        For a caller that must not block (an event loop) and an accept that does no I/O (memory mode):
-        a commit of its own is then cheaper than a hand-over to the writer and a wake-up back.
-        """
-        with self._lock:
-            if self._leading or self._queue or self._closed:
-                return None
-            self._leading = True
-        errors: dict[int, str] = {}
-        try:
-            seqs = accept_now((row,), errors)
-        finally:
-            self._hand_on(())
-        if seqs is None:
-            return None
-        return seqs[0], errors.get(seqs[0]) if errors else None
-
     def _commit_alone(self, row: NewMessage) -> tuple[int, str | None]:
-        """(Leading, nothing queued.) One message's commit on this thread, without a ticket."""
+        """(Leading, nothing queued.) One message's commit on the caller's thread, without a ticket."""
         errors: dict[int, str] = {}
         try:
             seq = self._accept((row,), errors)[0]

@@ -286,22 +286,3 @@ def test_a_caller_interrupted_while_waiting_takes_its_message_back_and_the_rest_
     assert outcome == {"first": (accept.seq_of["first"], None), "behind": (accept.seq_of["behind"], None)}
     assert group.submit(row("after")) == (accept.seq_of["after"], None)
 
-
-def test_try_inline_commits_on_the_callers_thread_only_when_nothing_would_wait() -> None:
-    accept = FakeAccept()
-    group = GroupCommit(accept)
-    assert group.try_inline(row("now"), accept) == (accept.seq_of["now"], None)
-    assert accept.calls == [(["now"], threading.current_thread().name)]
-    # accept_now declines (it would wait for room): nothing stored, and leadership is free again.
-    assert group.try_inline(row("full"), lambda rows, errors: None) is None
-    assert "full" not in accept.seq_of
-    assert group.submit(row("after")) == (accept.seq_of["after"], None)
-    # A commit in progress: try_inline neither waits nor queues.
-    accept.gate.clear()
-    holder = threading.Thread(target=group.submit, args=(row("held"),))
-    holder.start()
-    wait_for(lambda: len(accept.calls) == 3, "the held commit")
-    assert group.try_inline(row("busy"), accept) is None and group.queued == 0
-    accept.gate.set()
-    holder.join(10)
-    assert [names for names, _ in accept.calls] == [["now"], ["after"], ["held"]]
