@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import signal
 import threading
 import time
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
 
 from reliable_kafka import AsyncReliableProducer, OutboxFull
+from reliable_kafka.producer import group_commit
 from reliable_kafka.producer.dispatcher import Dispatcher
 from reliable_kafka.producer.group_commit import GroupCommit, Ticket
 from reliable_kafka.spool import NewMessage
@@ -249,9 +250,12 @@ def test_a_slow_commit_does_not_stall_the_event_loop(monkeypatch: pytest.MonkeyP
     assert worst < 0.15, f"the loop stalled {worst:.3f}s"
 
 
-def test_a_caller_interrupted_while_waiting_takes_its_message_back_and_the_rest_go_on() -> None:
+def test_a_caller_interrupted_while_waiting_takes_its_message_back_and_the_rest_go_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while send() waits behind another commit: that message is not stored, send() raises
-    KeyboardInterrupt, and the callers queued with it are committed as usual."""
+    KeyboardInterrupt, and the callers queued with it are committed as usual. (The interruption is raised
+    by the caller's own gate, where a KeyboardInterrupt lands in a real send(): a signal would reach the
+    process's main thread, which under pytest-xdist is not the one running the test.)"""
     accept = FakeAccept()
     group = GroupCommit(accept)
     accept.gate.clear()
@@ -266,18 +270,27 @@ def test_a_caller_interrupted_while_waiting_takes_its_message_back_and_the_rest_
     behind = threading.Thread(target=caller, args=("behind",))
     behind.start()
     wait_for(lambda: group.queued == 1, "'behind' to queue")
-    main = threading.main_thread().ident
-    assert main is not None
 
-    def interrupt() -> None:
-        wait_for(lambda: group.queued == 2, "the main thread to queue")
-        signal.pthread_kill(main, signal.SIGINT)
+    class InterruptedGate:
+        """A gate whose wait (its second acquire) is interrupted: what Ctrl-C does to a waiting send()."""
 
-    interrupter = threading.Thread(target=interrupt)
-    interrupter.start()
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+            self.acquires = 0
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            self.acquires += 1
+            if self.acquires == 2:
+                raise KeyboardInterrupt
+            return self._lock.acquire(blocking, timeout)
+
+        def release(self) -> None:
+            self._lock.release()
+
+    monkeypatch.setattr(group_commit, "threading", SimpleNamespace(Lock=InterruptedGate))
     with pytest.raises(KeyboardInterrupt):
         group.submit(row("interrupted"))
-    interrupter.join(10)
+    monkeypatch.undo()
     assert group.queued == 1
     accept.gate.set()
     first.join(10)
@@ -285,4 +298,3 @@ def test_a_caller_interrupted_while_waiting_takes_its_message_back_and_the_rest_
     assert [names for names, _ in accept.calls] == [["first"], ["behind"]]
     assert outcome == {"first": (accept.seq_of["first"], None), "behind": (accept.seq_of["behind"], None)}
     assert group.submit(row("after")) == (accept.seq_of["after"], None)
-
