@@ -90,7 +90,7 @@ def test_every_record_of_three_partitions_is_handled_once_in_key_order_and_commi
             await until(lambda: len(handled) >= len(values), 120, "every record handled")
             consumer.stop()
 
-        with LoopStallProbe() as probe:
+        with LoopStallProbe(discount_cpu_waits=True) as probe:
             async with consumer:
                 watcher = asyncio.create_task(stop_when_all_handled())
                 await asyncio.wait_for(consumer.run(handler), 150)

@@ -142,21 +142,20 @@ def test_dlq_consumer_charges_each_order_once_parks_poison_and_a_replay_charges_
     assert len(list(consume_all(kafka.bootstrap_servers, f"{topic}.dlq"))) == 2
 
 
-def _end_offsets(bootstrap: str, topic: str, partitions: int) -> int:
+def _end_offsets(client: Consumer, topic: str, partitions: int) -> int:
     """The sum of the partitions' end offsets; 0, with the reason logged, when the cluster did not say.
 
-    (A run on a loaded host waited 90 s for 40 records the processor had published and was consuming:
-    every look ended in a KafkaException that was swallowed without a word. The reason is logged now.)
+    `client` lives for the whole wait: a new client per look asks its first metadata of one bootstrap
+    broker, and a run on a loaded host waited 90 s for 40 records the processor had published and was
+    consuming (every look ended in a KafkaException, then swallowed without a word). A long-lived
+    client refreshes its metadata from every broker it knows. The reason is logged now.
     """
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"probe-{uuid.uuid4().hex[:8]}"})
     try:
-        return sum(c.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1]
+        return sum(client.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1]
                    for p in range(partitions))
     except KafkaException as exc:  # not created yet, or not known yet to the broker that answered
         log.info("end offsets of %s not known yet: %s", topic, exc)
         return 0
-    finally:
-        c.close()
 
 
 def _payment_requests(topic: str, ids: range) -> list[Message]:
@@ -203,21 +202,21 @@ def test_payment_processor_books_each_payment_once_through_a_sigkill(kafka: Loca
     def more_input() -> None:  # re-arm: the processor may have caught up with the held-back input
         cap[0] = min(count, cap[0] + 25)
 
+    offsets = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": group, "enable.auto.commit": False})
     with open(member_log, "ab") as out:
         first = subprocess.Popen([sys.executable, str(EXAMPLES / "payment_processor.py"), *args,
                                   "--create-topics", "--demo-requests", str(demo)],
                                  cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    offsets = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": group, "enable.auto.commit": False})
     p = ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, durability="memory")
     try:
         # It publishes them before it starts processing (and the topics are its own, created just before).
-        assert wait_for(lambda: _end_offsets(kafka.bootstrap_servers, requests, 3) >= demo, timeout_s=180,
+        assert wait_for(lambda: _end_offsets(offsets, requests, 3) >= demo, timeout_s=180,
                         poll_s=0.5), "the processor did not publish its demo requests"
         with Feeder(top_up, backlog, low=15, name="payment-requests"):
             # The kill bites when the processor has booked some payments (40 offsets on the events
             # topic) and a transaction holds ledger entries (a kill between two transactions proves
             # less); the held-back input keeps it from running out of work first.
-            fire_when(lambda: (first.poll() is None and _end_offsets(kafka.bootstrap_servers, events, 3) >= 40
+            fire_when(lambda: (first.poll() is None and _end_offsets(offsets, events, 3) >= 40
                                and uncommitted_records(kafka.bootstrap_servers, ledger) > 0),
                       first.kill,  # SIGKILL: no commit, no abort, no goodbye
                       what="payment processor: SIGKILL in an open transaction", rearm=more_input, timeout_s=20)

@@ -4,7 +4,12 @@ when the probe stops is what pending_s() reports (the probe, cancelled, never me
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
+
+import pytest
 
 from reliable_kafka.testing.loop_stall import LoopStallProbe
 
@@ -27,3 +32,46 @@ def test_a_blocking_call_on_the_loop_is_measured_and_a_free_loop_is_not() -> Non
     assert free < 0.25  # a loaded host delays a wake-up, never by a blocking 0.3 s
     assert blocked >= 0.25, blocked
     assert until_the_end >= 0.25, until_the_end
+
+
+# A loop whose process gets almost no CPU: pinned to one core beside two busy processes, at SCHED_IDLE.
+_STARVED = """
+import asyncio, json, os, subprocess, sys
+from reliable_kafka.testing.loop_stall import LoopStallProbe
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+spin = "import time\\nend = time.monotonic() + 10\\nwhile time.monotonic() < end: pass"
+busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+try:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    async def main():
+        with LoopStallProbe(0.002, discount_cpu_waits=True) as probe:
+            await asyncio.sleep(1.0)
+        return probe
+    probe = asyncio.run(main())
+    print(json.dumps({"raw": probe.worst_raw_s, "ours": probe.worst_s, "cpu_wait": probe.cpu_wait_s}))
+finally:
+    for b in busy:
+        b.kill()
+        b.wait()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU-wait discount reads Linux's schedstat")
+def test_a_wait_for_a_cpu_is_discounted_and_a_blocking_call_is_not() -> None:
+    # Starved of CPU, the loop's wake-ups come late although nothing on it blocks: the raw overshoot
+    # shows it, the discounted one does not.
+    done = subprocess.run([sys.executable, "-c", _STARVED], capture_output=True, text=True, timeout=60, check=True)
+    starved = json.loads(done.stdout)
+    assert starved["raw"] >= 0.05, starved
+    assert starved["ours"] < starved["raw"] / 4, starved
+    assert starved["cpu_wait"] >= 0.1, starved
+
+    async def blocked() -> LoopStallProbe:
+        with LoopStallProbe(0.002, discount_cpu_waits=True) as probe:
+            await asyncio.sleep(0.01)
+            time.sleep(0.3)  # blocks the loop: not a wait for a CPU, so counted in full
+            await asyncio.sleep(0.01)
+        return probe
+
+    probe = asyncio.run(blocked())
+    assert probe.worst_s >= 0.25, (probe.worst_s, probe.worst_raw_s)
