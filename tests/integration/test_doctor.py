@@ -14,6 +14,7 @@ from reliable_kafka.admin import admin_client
 from reliable_kafka.cli.main import cli
 from reliable_kafka.doctor import CRITICAL, diagnose
 from reliable_kafka.testing import LocalKafkaCluster
+from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS
 from tests.fixtures.kafka import _require_kafka
 
 pytestmark = pytest.mark.cluster
@@ -27,7 +28,7 @@ def weak_cluster() -> Iterator[LocalKafkaCluster]:
     how many brokers hold them), and it starts one JVM beside the suite's two clusters instead of three.
     """
     _require_kafka()
-    cluster = LocalKafkaCluster(brokers=1, broker_config={
+    cluster = LocalKafkaCluster(brokers=1, jvm_options=QUICK_START_JVM_OPTIONS, broker_config={
         "offsets.topic.replication.factor": 1,
         "transaction.state.log.replication.factor": 1,
         "transaction.state.log.min.isr": 1,

@@ -26,6 +26,7 @@ def spark_session() -> Iterator[Any]:
     from reliable_kafka.errors import ClusterError
     from reliable_kafka.spark.jars import spark_kafka_jars
     from reliable_kafka.spark.local import local_session
+    from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS
 
     try:
         spark_kafka_jars()
@@ -36,7 +37,10 @@ def spark_session() -> Iterator[Any]:
         app_name="reliable-kafka-tests",
         with_kafka_connector=with_connector,
         # Small Arrow batches: a failure "after N rows" lands inside a partition, not at its end.
-        conf={"spark.sql.execution.arrow.maxRecordsPerBatch": 250},
+        conf={"spark.sql.execution.arrow.maxRecordsPerBatch": 250,
+              # The JIT's first tier only, as for the suite's Kafka nodes (QUICK_START_JVM_OPTIONS): these
+              # jobs are small, and the optimising compiler's work does not pay off in them.
+              "spark.driver.extraJavaOptions": " ".join(QUICK_START_JVM_OPTIONS)},
     )
     try:
         yield spark
