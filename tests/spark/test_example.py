@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
+from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
@@ -25,6 +27,8 @@ def test_spark_job_publishes_each_invoice_once_through_failed_task_attempts(kafk
         [sys.executable, str(ROOT / "examples" / "spark_job.py"), "--bootstrap-servers", kafka.bootstrap_servers,
          "--topic", topic, "--create-topic", "--invoices", str(count), "--partitions", str(partitions),
          "--day", "2026-02-01", "--fail-first-attempt-after", str(fail_after)],
+        # The JIT's first tier only, as for the suite's other JVMs (QUICK_START_JVM_OPTIONS): the job is small.
+        env={**os.environ, "JAVA_TOOL_OPTIONS": " ".join(QUICK_START_JVM_OPTIONS)},
         cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
