@@ -89,8 +89,10 @@ def acks1_leader_loss(cluster: LocalKafkaCluster, progress: Progress) -> list[Sc
 def leader_hard_bounce(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
     """The partition leader is SIGKILLed three times while a stream is produced, and restarted.
 
-    Each kill waits until the stream is in progress: 2,000 of its records acknowledged and more to
-    come. The streams are paced (10,000 messages/s, 2 s a round) so the gate has a window to see.
+    Each kill waits until the stream is in progress (2,000 of its records acknowledged, more to come);
+    then the followers stall (paused) and the kill waits until 2,000 more records reached the leader
+    alone, as a follower's long GC pause leaves a cluster. The streams are paced (5,000 messages/s,
+    4 s a round) so the gates have a window to see. Both clients get the same fault.
     """
     name = "leader-hard-bounce"
     bs = cluster.bootstrap_servers
@@ -118,6 +120,9 @@ def leader_hard_bounce(cluster: LocalKafkaCluster, progress: Progress) -> list[S
     return out
 
 
+_RATE = 5_000  # messages/s of each bounce round's stream: 4 s for its 20,000
+
+
 def _chunk(prefix: str, n: int) -> list[bytes]:
     return _values(f"{prefix}-{n}", 20_000)
 
@@ -126,8 +131,9 @@ def _reliable_bounce(cluster: LocalKafkaCluster, topic: str, p: ReliableProducer
     """ReliableProducer streams while its leader is killed: in progress = 2,000 of this stream's records
     confirmed, more in flight. Returns what it accepted."""
     return bounce_leader_mid_stream(
-        cluster, topic, lambda b: p.send_many([(topic, v) for v in b]), partial(_chunk, prefix), rate=10_000,
-        confirmed=lambda: p.stats().delivered, at_least=2_000, unconfirmed=lambda: p.pending > 0)
+        cluster, topic, lambda b: p.send_many([(topic, v) for v in b]), partial(_chunk, prefix), rate=_RATE,
+        confirmed=lambda: p.stats().delivered, at_least=2_000, unconfirmed=lambda: p.pending > 0,
+        stall_followers=True)
 
 
 def _control_bounce(cluster: LocalKafkaCluster, topic: str, prefix: str) -> list[bytes]:
@@ -135,7 +141,8 @@ def _control_bounce(cluster: LocalKafkaCluster, topic: str, prefix: str) -> list
 
     The kill is aimed by the stream's own delivery reports, not by the partition's high watermark: the
     watermark moves only as followers fetch, so a follower that lags (as after `unclean-election`, while
-    a restarted broker still loads) kept it still while the leader acknowledged the whole stream.
+    a restarted broker still loads) kept it still while the leader acknowledged the whole stream. The
+    followers stall once 2,000 are acknowledged; the kill waits for 2,000 more, which only the leader has.
     """
     bs = cluster.bootstrap_servers
     streams: list[tuple[StreamProgress, threading.Thread]] = []
@@ -144,27 +151,28 @@ def _control_bounce(cluster: LocalKafkaCluster, topic: str, prefix: str) -> list
         prog = StreamProgress()
         values = _values(f"{prefix}-{len(streams)}", 20_000)
         t = threading.Thread(target=bare_produce, args=(bs, topic, values),
-                             kwargs={"rate": 10_000, "progress": prog, **_ACKS1}, daemon=True,
+                             kwargs={"rate": _RATE, "progress": prog, **_ACKS1}, daemon=True,
                              name=f"control-stream-{len(streams)}")
         streams.append((prog, t))
         t.start()
 
     def in_progress() -> bool:
-        # The leader has acknowledged 2,000 of this stream's records and 2,000 or more are still to be
-        # produced: a kill now takes acknowledged records its followers may not hold, with more to come.
+        # The leader has acknowledged 2,000 of this stream's records and 6,000 or more are still to be
+        # produced: enough for the 2,000 that the stalled followers must miss before the kill.
         prog, _ = streams[-1]
-        return len(prog.acked) >= 2_000 and prog.produced <= prog.total - 2_000
+        return len(prog.acked) >= 2_000 and prog.produced <= prog.total - 6_000
 
     def rearm() -> None:
         prog, t = streams[-1]
         log.info("%s: control stream %d at %d produced, %d acknowledged of %d (running: %s)", topic,
                  len(streams) - 1, prog.produced, len(prog.acked), prog.total, t.is_alive())
-        if prog.produced > prog.total - 2_000:  # the window passed (e.g. acks came in one burst): a fresh stream
+        if prog.produced > prog.total - 6_000:  # the window passed (e.g. acks came in one burst): a fresh stream
             stream()
 
     try:
         stream()
-        hard_bounce_leader(cluster, topic, when=in_progress, rearm=rearm, timeout_s=20)
+        hard_bounce_leader(cluster, topic, when=in_progress, rearm=rearm, timeout_s=20,
+                           followers_behind=lambda: len(streams[-1][0].acked), behind_by=2_000)
     finally:
         for _, t in streams:
             t.join(120)

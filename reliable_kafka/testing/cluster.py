@@ -191,6 +191,11 @@ class LocalKafkaCluster:
     # so `reliable-kafka cluster stop` finds the new pids too.
     state_path: Path | None = field(default=None, init=False)
 
+    def __post_init__(self) -> None:
+        # A lone string would otherwise be taken apart into one-character JVM flags.
+        if isinstance(self.jvm_options, str):
+            raise TypeError(f"jvm_options takes a sequence of flags, e.g. ({self.jvm_options!r},), not a string")
+
     # ---- lifecycle -------------------------------------------------------------------------
 
     def __enter__(self) -> LocalKafkaCluster:

@@ -155,11 +155,21 @@ def until_it_bites(inject: Callable[[], T], bit: Callable[[T], bool], *, what: s
 
 def hard_bounce_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 0, *,
                        when: Callable[[], bool] | None = None, rearm: Callable[[], None] | None = None,
-                       attempts: int = 3, timeout_s: float = 30.0) -> tuple[int, int]:
+                       attempts: int = 3, timeout_s: float = 30.0,
+                       followers_behind: Callable[[], int] | None = None, behind_by: int = 2_000) -> tuple[int, int]:
     """SIGKILL the partition's leader, wait for a new one, restart the old; returns (old, new).
 
     With `when`, the kill waits (bounded, re-armed by `rearm`, see `fire_when`) until that condition
     holds, e.g. "the stream is past its first records and not finished", so it lands mid-work.
+
+    With `followers_behind`, the followers stall first: once `when` holds they are paused (SIGSTOP, as
+    a long GC pause or a stuck disk leaves them, and in the ISR still), and the kill waits until the
+    leader's log holds records theirs do not and `followers_behind()`, a count of the stream's progress
+    (records acknowledged, or handed to the client), grew by `behind_by` since the pause; they resume
+    after the kill and one of them is elected. Without the stall, followers fetch within milliseconds
+    of each append, so what a kill finds on the leader alone is chance: an acks=1 control lost 0, 100
+    or 2,700 of 60,000 from one lab run to the next. (Replication throttling cannot hold in-sync
+    followers back: the broker throttles only replicas out of the ISR, to avoid ISR thrashing.)
     """
     def kill() -> int:
         # Looked up at the moment of the kill: a preferred-leader election may have moved it since.
@@ -169,10 +179,33 @@ def hard_bounce_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 
         cluster.kill(leader)
         return leader
 
+    if followers_behind is not None:
+        # Read while the cluster is settled, before the stream's window opens: it takes a second or two.
+        state = settled_state(cluster, topic, partition)
+        followers = [r for r in state.replicas if r != state.leader]
+        iso = IsolatedLeader(leader=state.leader, followers=followers)
+
+        def stall_then_kill() -> int:
+            assert followers_behind is not None
+            for f in followers:
+                cluster.pause(f)
+            before = followers_behind()
+            try:
+                fire_when(lambda: leader_ahead(cluster, topic, iso, partition)
+                          and followers_behind() - before >= behind_by,
+                          lambda: cluster.kill(iso.leader),
+                          what=f"leader {iso.leader} of {topic}[{partition}] ahead of its stalled followers",
+                          timeout_s=timeout_s)
+            finally:  # also when the gate never held: the leader lives on and FaultNotArmed surfaces
+                for f in followers:
+                    cluster.resume(f)
+            return iso.leader
+
+    fire: Callable[[], int] = kill if followers_behind is None else stall_then_kill
     if when is None:
-        old = kill()
+        old = fire()
     else:
-        old = fire_when(when, kill, what=f"hard bounce of the leader of {topic}[{partition}]", rearm=rearm,
+        old = fire_when(when, fire, what=f"hard bounce of the leader of {topic}[{partition}]", rearm=rearm,
                         attempts=attempts, timeout_s=timeout_s)
     new = cluster.wait_for_leader(topic, partition, not_on=old, timeout=60)
     cluster.start_node(old)
@@ -232,6 +265,7 @@ def bounce_leader_mid_stream(
     confirmed: Callable[[], int],
     at_least: int,
     unconfirmed: Callable[[], bool] = lambda: True,
+    stall_followers: bool = False,
     partition: int = 0,
     attempts: int = 3,
     timeout_s: float = 20.0,
@@ -242,6 +276,8 @@ def bounce_leader_mid_stream(
     stream began, while the stream is still running and `unconfirmed()` (records still in flight)
     holds. Should the stream end before that, `chunk(1)`, `chunk(2)`... are streamed (a logged,
     bounded re-arm). Returns every value handed to `send`, once each stream has ended.
+    With `stall_followers`, the followers are paused at that point and the kill waits until `at_least`
+    more values were handed to `send` (see `hard_bounce_leader`'s `followers_behind`).
     """
     streams: list[SendStream] = []
     values: list[bytes] = []
@@ -259,7 +295,9 @@ def bounce_leader_mid_stream(
     stream()
     try:
         hard_bounce_leader(cluster, topic, partition, rearm=rearm, attempts=attempts, timeout_s=timeout_s,
-                           when=lambda: streams[-1].running and confirmed() - before >= at_least and unconfirmed())
+                           when=lambda: streams[-1].running and confirmed() - before >= at_least and unconfirmed(),
+                           followers_behind=(lambda: sum(s.sent for s in streams)) if stall_followers else None,
+                           behind_by=at_least)
     finally:
         for s in streams:
             s.join()

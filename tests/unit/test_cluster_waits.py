@@ -78,3 +78,9 @@ def test_a_partition_a_lagging_broker_does_not_know_yet_is_asked_about_again(mon
     started = time.monotonic()
     assert cluster.partition_state("t", timeout=0.5) is None
     assert time.monotonic() - started < 3
+
+
+def test_jvm_options_given_as_one_string_are_refused_rather_than_split_into_characters() -> None:
+    with pytest.raises(TypeError, match="sequence of flags"):
+        LocalKafkaCluster(brokers=1, jvm_options="-XX:TieredStopAtLevel=1")  # a str is a Sequence[str] too
+    assert LocalKafkaCluster(brokers=1, jvm_options=["-Xss1m"]).jvm_options == ["-Xss1m"]
