@@ -12,13 +12,14 @@ from contextlib import contextmanager
 
 from reliable_kafka.errors import MissingExtra
 
-# Top-level module names each extra of pyproject.toml installs (the ones a part imports at start).
-EXTRAS: dict[str, frozenset[str]] = {
-    "cli": frozenset({"click", "rich", "psutil"}),
-    "plot": frozenset({"matplotlib"}),
-    "redis": frozenset({"redis"}),
-    "services": frozenset({"fastapi", "uvicorn", "httpx"}),
-    "spark": frozenset({"pyspark", "pyarrow", "pandas", "numpy"}),
+# Top-level module names each extra of pyproject.toml installs (the ones a part imports at start), the one
+# the extra is for first: a message names that one ("needs pyspark"), not a dependency of it ("needs numpy").
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "cli": ("click", "rich", "psutil"),
+    "plot": ("matplotlib",),
+    "redis": ("redis",),
+    "services": ("fastapi", "uvicorn", "httpx"),
+    "spark": ("pyspark", "pyarrow", "pandas", "numpy"),
 }
 
 
@@ -38,5 +39,5 @@ def needs_extra(extra: str, what: str) -> Iterator[None]:
 
 
 def missing_modules(extra: str) -> list[str]:
-    """The modules of `extra` this install lacks (found without importing them), sorted."""
-    return sorted(m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None)
+    """The modules of `extra` this install lacks (found without importing them), in EXTRAS' order."""
+    return [m for m in EXTRAS[extra] if importlib.util.find_spec(m) is None]

@@ -34,20 +34,21 @@ def _cluster_for(bootstrap: str | None, state_file: Path | None, brokers: int) -
     state = state_file or default_state_file()
     if not state.exists():
         fail(f"the lab injects faults by signalling broker processes, so it needs a cluster started with "
-             f"`reliable-kafka cluster start`; no such cluster state at {state} for {bootstrap}")
+             f"`reliable-kafka cluster start`; no such cluster state at {state} for {bootstrap}", code=NO_CLUSTER)
     cluster = LocalKafkaCluster.attach(state)
     if set(bootstrap.split(",")) & set(cluster.bootstrap_servers.split(",")) == set():
         fail(f"{bootstrap} is not the local cluster in {state} ({cluster.bootstrap_servers}); the lab can only "
-             "break a cluster whose broker processes it can signal")
+             "break a cluster whose broker processes it can signal", code=NO_CLUSTER)
     try:
         cluster.registered_brokers(timeout=10)
     except ClusterError as exc:
-        fail(f"brokers at {bootstrap} are unreachable: {exc}")
+        fail(f"brokers at {bootstrap} are unreachable: {exc}", code=NO_CLUSTER)
     return cluster, False
 
 
-# Exit codes, documented in docs/cli.md#lab: the lab's value is that its verdicts are true.
-OK, OURS_LOST, NO_PROOF = 0, 1, 3
+# Exit codes, documented in docs/cli.md#lab: the lab's value is that its verdicts are true. A cluster that
+# could not be started or reached has its own code, so that 1 means only "reliable_kafka lost something".
+OK, OURS_LOST, NO_PROOF, NO_CLUSTER = 0, 1, 3, 4
 
 
 def verdict(results: list[ScenarioResult], errored: Collection[str]) -> tuple[int, list[str]]:
@@ -86,7 +87,8 @@ def lab(names: tuple[str, ...], bootstrap_servers: str | None, state_file: Path 
 
     Exit code 0: every control lost or duplicated and reliable_kafka did neither. 1: reliable_kafka lost
     or duplicated something. 3: a control did not bite or a scenario gave no verdict (nothing proven).
-    A scenario whose extra is not installed is skipped and said so.
+    4: the cluster could not be started or reached. A scenario whose extra is not installed is skipped
+    and said so.
     """
     known = scenarios()
     if list_only:
@@ -107,7 +109,7 @@ def lab(names: tuple[str, ...], bootstrap_servers: str | None, state_file: Path 
         cluster, owned = _cluster_for(bootstrap_servers, state_file, 5 if needs_five else 3)
         if needs_five and max(len(cluster.nodes), cluster.brokers if owned else 0) < 5:
             fail("unclean-election needs 5 nodes (3 controllers + 2 broker-only): run the lab without "
-                 "--bootstrap-servers, or `reliable-kafka cluster start --brokers 5`")
+                 "--bootstrap-servers, or `reliable-kafka cluster start --brokers 5`", code=NO_CLUSTER)
         with chatter_to_file("lab"):
             _run(chosen, cluster, owned, results, errored)
     rows = [[r.name, r.client, r.acked, r.consumed_unique, r.lost, r.duplicates, r.duplicates_after_dedup,
@@ -154,7 +156,7 @@ def _run(chosen: list[Scenario], cluster: LocalKafkaCluster, owned: bool, result
                 else:
                     bar.update(task, completed=1.0, step="done")
     except ClusterError as exc:
-        fail(str(exc))
+        fail(str(exc), code=NO_CLUSTER)
     finally:
         if owned:
             cluster.stop()

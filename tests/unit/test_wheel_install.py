@@ -7,6 +7,7 @@ module missing from the wheel or a dependency missing from its metadata shows he
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -73,3 +74,10 @@ def test_the_wheel_with_the_cli_extra_runs_its_command_line(wheel: Path, tmp_pat
         assert command in helped.stdout
     listed = _run(bin_dir / "reliable-kafka", "lab", "--list", cwd=tmp_path)
     assert listed.returncode == 0 and "acks1-leader-loss" in listed.stdout, listed.stderr
+    # No pyspark in this install: the Spark scenario is skipped, named by the module its extra is for, and
+    # the run is not a loss (exit 0: nothing ran, nothing of ours lost); no cluster is started for it.
+    skipped = _run(bin_dir / "reliable-kafka", "lab", "spark-task-retry", "--json", "-", cwd=tmp_path)
+    assert skipped.returncode == 0, skipped.stderr
+    report = json.loads(skipped.stdout)
+    assert report["scenarios"] == [] and report["exit_code"] == 0, report
+    assert report["skipped"] == {"spark-task-retry": "needs pyspark: pip install 'reliable-kafka[spark]'"}, report
