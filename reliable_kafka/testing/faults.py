@@ -156,7 +156,8 @@ def until_it_bites(inject: Callable[[], T], bit: Callable[[T], bool], *, what: s
 def hard_bounce_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 0, *,
                        when: Callable[[], bool] | None = None, rearm: Callable[[], None] | None = None,
                        attempts: int = 3, timeout_s: float = 30.0,
-                       followers_behind: Callable[[], int] | None = None, behind_by: int = 2_000) -> tuple[int, int]:
+                       followers_behind: Callable[[], int] | None = None, behind_by: int = 2_000,
+                       leader_ahead_first: bool = True) -> tuple[int, int]:
     """SIGKILL the partition's leader, wait for a new one, restart the old; returns (old, new).
 
     With `when`, the kill waits (bounded, re-armed by `rearm`, see `fire_when`) until that condition
@@ -164,11 +165,14 @@ def hard_bounce_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 
 
     With `followers_behind`, the followers stall first: once `when` holds they are paused (SIGSTOP, as
     a long GC pause or a stuck disk leaves them, and in the ISR still), and the kill waits until the
-    leader's log holds records theirs do not and `followers_behind()`, a count of the stream's progress
-    (records acknowledged, or handed to the client), grew by `behind_by` since the pause; they resume
-    after the kill and one of them is elected. Without the stall, followers fetch within milliseconds
-    of each append, so what a kill finds on the leader alone is chance: an acks=1 control lost 0, 100
-    or 2,700 of 60,000 from one lab run to the next. (Replication throttling cannot hold in-sync
+    leader's log holds records theirs do not (unless not `leader_ahead_first`) and `followers_behind()`,
+    a count of the stream's progress (records acknowledged, or handed to the client), grew by
+    `behind_by` since the pause; they resume after the kill and one of them is elected. The first is
+    what an acks=1 client loses; an acks=all client may never put a record on the leader alone: its
+    in-flight requests wait for the stalled followers, and once its in-flight window is full it sends
+    nothing more (seen: the leader's log stayed level with theirs for the whole 20 s bound). Without
+    the stall, followers fetch within milliseconds of each append, so what a kill finds on the leader
+    alone is chance: an acks=1 control lost 0, 100 or 2,700 of 60,000 from one lab run to the next. (Replication throttling cannot hold in-sync
     followers back: the broker throttles only replicas out of the ISR, to avoid ISR thrashing.)
     """
     def kill() -> int:
@@ -179,37 +183,54 @@ def hard_bounce_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 
         cluster.kill(leader)
         return leader
 
-    if followers_behind is not None:
-        # Read while the cluster is settled, before the stream's window opens: it takes a second or two.
-        state = settled_state(cluster, topic, partition)
-        followers = [r for r in state.replicas if r != state.leader]
-        iso = IsolatedLeader(leader=state.leader, followers=followers)
-
-        def stall_then_kill() -> int:
-            assert followers_behind is not None
-            for f in followers:
-                cluster.pause(f)
-            before = followers_behind()
-            try:
-                fire_when(lambda: leader_ahead(cluster, topic, iso, partition)
-                          and followers_behind() - before >= behind_by,
-                          lambda: cluster.kill(iso.leader),
-                          what=f"leader {iso.leader} of {topic}[{partition}] ahead of its stalled followers",
-                          timeout_s=timeout_s)
-            finally:  # also when the gate never held: the leader lives on and FaultNotArmed surfaces
-                for f in followers:
-                    cluster.resume(f)
-            return iso.leader
-
-    fire: Callable[[], int] = kill if followers_behind is None else stall_then_kill
-    if when is None:
-        old = fire()
+    what = f"hard bounce of the leader of {topic}[{partition}]"
+    if followers_behind is None:
+        old = kill() if when is None else fire_when(when, kill, what=what, rearm=rearm, attempts=attempts,
+                                                    timeout_s=timeout_s)
     else:
-        old = fire_when(when, fire, what=f"hard bounce of the leader of {topic}[{partition}]", rearm=rearm,
-                        attempts=attempts, timeout_s=timeout_s)
+        old = _stall_then_kill(cluster, topic, partition, when or (lambda: True), rearm, followers_behind,
+                               behind_by, leader_ahead_first, what=what, attempts=attempts, timeout_s=timeout_s)
     new = cluster.wait_for_leader(topic, partition, not_on=old, timeout=60)
     cluster.start_node(old)
     return old, new
+
+
+def _stall_then_kill(cluster: LocalKafkaCluster, topic: str, partition: int, when: Callable[[], bool],
+                     rearm: Callable[[], None] | None, progress: Callable[[], int], behind_by: int,
+                     leader_ahead_first: bool, *, what: str, attempts: int, timeout_s: float) -> int:
+    """`hard_bounce_leader` with stalled followers; the killed leader. Each attempt reads the settled
+    leader, waits for `when`, pauses the followers and waits for the stream to get `behind_by` ahead of
+    them; if it does not, the followers resume and the attempt is re-armed (bounded, logged)."""
+    for attempt in range(1, attempts + 1):
+        # Read while the cluster is settled, before the stream's window opens: it takes a second or two.
+        state = settled_state(cluster, topic, partition)
+        iso = IsolatedLeader(leader=state.leader, followers=[r for r in state.replicas if r != state.leader])
+
+        def stall_and_kill(iso: IsolatedLeader = iso) -> bool:
+            for f in iso.followers:
+                cluster.pause(f)
+            before = progress()
+            try:
+                fire_when(lambda: progress() - before >= behind_by
+                          and (not leader_ahead_first or leader_ahead(cluster, topic, iso, partition)),
+                          lambda: cluster.kill(iso.leader),
+                          what=f"{what}: leader {iso.leader} ahead of its stalled followers", timeout_s=timeout_s)
+                return True
+            except FaultNotArmed:
+                return False
+            finally:  # the leader is dead, or lives on (not armed): either way the followers go on
+                for f in iso.followers:
+                    cluster.resume(f)
+
+        if fire_when(when, stall_and_kill, what=what, rearm=rearm, attempts=attempts, timeout_s=timeout_s):
+            return iso.leader
+        if attempt < attempts:
+            log.warning("%s: the stream did not get %d ahead of the stalled followers within %.0fs; followers "
+                        "resumed, re-arming (attempt %d of %d)", what, behind_by, timeout_s, attempt + 1, attempts)
+            if rearm is not None:
+                rearm()
+    raise FaultNotArmed(f"{what}: the stream never got {behind_by} ahead of the stalled followers "
+                        f"({attempts} attempt(s) of {timeout_s:.0f}s)")
 
 
 class SendStream:
@@ -277,7 +298,8 @@ def bounce_leader_mid_stream(
     holds. Should the stream end before that, `chunk(1)`, `chunk(2)`... are streamed (a logged,
     bounded re-arm). Returns every value handed to `send`, once each stream has ended.
     With `stall_followers`, the followers are paused at that point and the kill waits until `at_least`
-    more values were handed to `send` (see `hard_bounce_leader`'s `followers_behind`).
+    more values were handed to `send` (see `hard_bounce_leader`'s `followers_behind`): for an acks=all
+    client, whose records then wait unconfirmed, whether or not they reached the leader.
     """
     streams: list[SendStream] = []
     values: list[bytes] = []
@@ -297,7 +319,7 @@ def bounce_leader_mid_stream(
         hard_bounce_leader(cluster, topic, partition, rearm=rearm, attempts=attempts, timeout_s=timeout_s,
                            when=lambda: streams[-1].running and confirmed() - before >= at_least and unconfirmed(),
                            followers_behind=(lambda: sum(s.sent for s in streams)) if stall_followers else None,
-                           behind_by=at_least)
+                           behind_by=at_least, leader_ahead_first=False)
     finally:
         for s in streams:
             s.join()
