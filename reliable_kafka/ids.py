@@ -26,14 +26,19 @@ _lock = threading.Lock()
 _last_ms = 0
 _counter = 0
 _rng = random.Random()
+# new_id()'s per-thread state: [fork generation, last ms, counter, prefix, random suffix].
+_local = threading.local()
+_fork_generation = 0
 
 
 def _reseed_after_fork() -> None:
     # A forked child (Spark workers, multiprocessing) inherits the PRNG state: without a reseed two
     # processes would mint identical ids in the same millisecond, and dedup would drop real messages.
-    global _last_ms, _counter
+    # The generation makes the surviving thread draw new random bits for new_id() as well.
+    global _last_ms, _counter, _fork_generation
     _rng.seed()
     _last_ms, _counter = 0, 0
+    _fork_generation += 1
 
 
 os.register_at_fork(after_in_child=_reseed_after_fork)
@@ -42,10 +47,34 @@ os.register_at_fork(after_in_child=_reseed_after_fork)
 def new_id() -> str:
     """A UUIDv7-formatted id: 48-bit unix milliseconds, a 12-bit in-millisecond counter, 62 random bits.
 
-    The counter keeps ids from one process strictly increasing even within a millisecond, so the
-    outbox order and the id order agree.
+    One send()'s id, made without new_ids()' process-wide lock: each thread keeps its own millisecond,
+    counter and random bits (drawn on its first id, and again in a forked child), so the ids of one
+    thread are strictly increasing and two threads' ids differ in their random bits, as two processes'
+    do. Threads that send at once do not order their messages among themselves anyway (the outbox
+    takes them in whatever order they arrive), so nothing is lost by not ordering their ids.
+
+    Why not the lock: sixteen threads calling send() queued on it. A thread that holds it can be made
+    to give up the GIL inside, and then every other sender blocks on the lock and sleeps, which cost
+    the 16-thread send() path most of its throughput (measured: see CHANGELOG, "One send() per request").
     """
-    return new_ids(1)[0]
+    ms = time.time_ns() // 1_000_000
+    state = getattr(_local, "state", None)
+    if state is None or state[0] != _fork_generation:
+        # This thread's first id: its own random bits, and it starts after every id made so far
+        # (the lock once per thread: new_ids() may have made this thread's earlier ids).
+        r = _rng.getrandbits(62)  # variant 0b10, then 62 random bits
+        with _lock:
+            state = [_fork_generation, _last_ms, _counter, _prefix(_last_ms),
+                     f"-{0x8000 | (r >> 48):04x}-{r & 0xFFFFFFFFFFFF:012x}"]
+        _local.state = state
+    if ms > state[1]:
+        state[1], state[2], state[3] = ms, 0, _prefix(ms)
+    elif state[2] < 0xFFF:
+        state[2] += 1
+    else:  # 4,096 ids in one millisecond: borrow the next one, as new_ids() does
+        state[1] += 1
+        state[2], state[3] = 0, _prefix(state[1])
+    return state[3] + _COUNTER_HEX[state[2]] + state[4]
 
 
 # The counter field as text, made once: formatting it per id was most of an id's cost.
@@ -66,10 +95,17 @@ def new_ids(n: int) -> list[str]:
     """
     global _last_ms, _counter
     out: list[str] = []
+    # The calling thread's new_id() state: this batch starts after its last id and new_id() goes on after
+    # this batch, so one thread's ids stay increasing whichever of the two it calls.
+    mine = getattr(_local, "state", None)
+    if mine is not None and mine[0] != _fork_generation:
+        mine = None
     with _lock:
         ms = time.time_ns() // 1_000_000
         if ms > _last_ms:
             _last_ms, _counter = ms, -1
+        if mine is not None and (mine[1], mine[2]) > (_last_ms, _counter):
+            _last_ms, _counter = mine[1], mine[2]
         # Uniqueness, not secrecy, is needed: the PRNG is several times cheaper than os.urandom.
         r = _rng.getrandbits(62)  # variant 0b10, then 62 random bits
         suffix = f"-{0x8000 | (r >> 48):04x}-{r & 0xFFFFFFFFFFFF:012x}"
@@ -83,6 +119,8 @@ def new_ids(n: int) -> list[str]:
             out += [prefix + c + suffix for c in _COUNTER_HEX[start:start + take]]
             _counter = start + take - 1
             n -= take
+        if mine is not None:
+            mine[1], mine[2], mine[3] = _last_ms, _counter, _prefix(_last_ms)
     return out
 
 

@@ -48,3 +48,46 @@ def test_a_forked_child_does_not_repeat_its_parents_ids() -> None:
     child = set(b"".join(chunks).decode().split("\n"))
     assert len(child) == 2_000
     assert not parent & child
+
+
+def test_ids_minted_by_many_threads_at_once_are_unique_and_increasing_within_each_thread() -> None:
+    import threading
+
+    per_thread: list[list[str]] = []
+    go = threading.Barrier(16)
+
+    def mint() -> None:
+        go.wait()
+        mine = [new_id() for _ in range(5_000)] + new_ids(100) + [new_id() for _ in range(100)]
+        per_thread.append(mine)
+
+    threads = [threading.Thread(target=mint) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    every = [i for mine in per_thread for i in mine]
+    assert len(every) == 16 * 5_200 and len(set(every)) == len(every)
+    for mine in per_thread:
+        assert mine == sorted(mine)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_repeat_its_parents_single_ids() -> None:
+    new_id()  # this thread's new_id() state exists before the fork, and the child inherits it
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, "\n".join(new_id() for _ in range(2_000)).encode())
+        os._exit(0)
+    os.close(write)
+    parent = {new_id() for _ in range(2_000)}
+    chunks = []
+    while chunk := os.read(read, 65536):
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(pid, 0)
+    child = set(b"".join(chunks).decode().split("\n"))
+    assert len(child) == 2_000
+    assert not parent & child
