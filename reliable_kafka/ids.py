@@ -55,7 +55,7 @@ def new_id() -> str:
 
     Why not the lock: sixteen threads calling send() queued on it. A thread that holds it can be made
     to give up the GIL inside, and then every other sender blocks on the lock and sleeps, which cost
-    the 16-thread send() path most of its throughput (measured: see CHANGELOG, "One send() per request").
+    16 threads minting ids half their throughput or more (measured: see CHANGELOG).
     """
     ms = time.time_ns() // 1_000_000
     state = getattr(_local, "state", None)

@@ -172,8 +172,9 @@ def hard_bounce_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 
     in-flight requests wait for the stalled followers, and once its in-flight window is full it sends
     nothing more (seen: the leader's log stayed level with theirs for the whole 20 s bound). Without
     the stall, followers fetch within milliseconds of each append, so what a kill finds on the leader
-    alone is chance: an acks=1 control lost 0, 100 or 2,700 of 60,000 from one lab run to the next. (Replication throttling cannot hold in-sync
-    followers back: the broker throttles only replicas out of the ISR, to avoid ISR thrashing.)
+    alone is chance: an acks=1 control lost 0, 100 or 2,700 of 60,000 from one lab run to the next.
+    (Replication throttling cannot hold in-sync followers back: the broker throttles only replicas out
+    of the ISR, to avoid ISR thrashing.)
     """
     def kill() -> int:
         # Looked up at the moment of the kill: a preferred-leader election may have moved it since.
