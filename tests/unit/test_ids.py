@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 
@@ -30,22 +31,28 @@ def test_ids_are_uuid_version_7_with_the_time_they_were_made() -> None:
     assert before <= id_timestamp_ms(ids[0]) <= id_timestamp_ms(ids[-1]) <= after + 3
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-def test_a_forked_child_does_not_repeat_its_parents_ids() -> None:
+def _parent_and_forked_child_ids(mint: Callable[[], list[str]]) -> tuple[set[str], set[str]]:
+    """What `mint()` returns in a forked child (at once, as a Spark worker would after a fork) and in the
+    parent meanwhile."""
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: mint ids at once, as a Spark worker would after a fork
+    if pid == 0:
         os.close(read)
-        os.write(write, "\n".join(new_ids(2_000)).encode())
+        os.write(write, "\n".join(mint()).encode())
         os._exit(0)
     os.close(write)
-    parent = set(new_ids(2_000))
+    parent = set(mint())
     chunks = []
     while chunk := os.read(read, 65536):
         chunks.append(chunk)
     os.close(read)
     os.waitpid(pid, 0)
-    child = set(b"".join(chunks).decode().split("\n"))
+    return parent, set(b"".join(chunks).decode().split("\n"))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_repeat_its_parents_ids() -> None:
+    parent, child = _parent_and_forked_child_ids(lambda: new_ids(2_000))
     assert len(child) == 2_000
     assert not parent & child
 
@@ -75,19 +82,6 @@ def test_ids_minted_by_many_threads_at_once_are_unique_and_increasing_within_eac
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_forked_child_does_not_repeat_its_parents_single_ids() -> None:
     new_id()  # this thread's new_id() state exists before the fork, and the child inherits it
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        os.write(write, "\n".join(new_id() for _ in range(2_000)).encode())
-        os._exit(0)
-    os.close(write)
-    parent = {new_id() for _ in range(2_000)}
-    chunks = []
-    while chunk := os.read(read, 65536):
-        chunks.append(chunk)
-    os.close(read)
-    os.waitpid(pid, 0)
-    child = set(b"".join(chunks).decode().split("\n"))
+    parent, child = _parent_and_forked_child_ids(lambda: [new_id() for _ in range(2_000)])
     assert len(child) == 2_000
     assert not parent & child
