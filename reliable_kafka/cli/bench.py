@@ -7,10 +7,12 @@ optional JSON (`{"benchmarks": [...]}`) and an optional PNG of each ratio agains
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -87,6 +89,24 @@ def plot(rows: list[BenchRow], path: str) -> None:
     plt.close(fig)
 
 
+def _redraw(paths: tuple[str, ...], plot_path: str | None) -> None:
+    """The table (and the plot) of earlier runs, from their JSON: a chart is redrawn without re-measuring."""
+    rows: list[BenchRow] = []
+    for path in paths:
+        try:
+            rows += [BenchRow.from_json(r) for r in json.loads(Path(path).read_text())["benchmarks"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            fail(f"{path} is not the JSON of `reliable-kafka bench --json`: {exc!r}", code=2)
+    if not rows:
+        fail("no benchmark rows in " + ", ".join(paths), code=2)
+    table("benchmarks (from " + ", ".join(paths) + ")",
+          ["benchmark", "variant", "msgs/s", "baseline", "ratio", "target"],
+          [[r.name, r.variant, f"{r.msgs_per_s:,.0f}", r.baseline, f"{r.ratio_vs_baseline:.2f}",
+            "" if (r.name, r.variant) not in TARGETS else f"≥ {TARGETS[(r.name, r.variant)]}"] for r in rows])
+    if plot_path is not None:
+        plot(rows, plot_path)
+
+
 def _group_commit_table(rows: list[BenchRow], *, to_stderr: bool) -> None:
     """What only some rows measure: how many messages an outbox transaction carried (producer-calls: group
     commit), and the worst event-loop stall of the asyncio runs (producer-calls, consumer)."""
@@ -111,14 +131,19 @@ def _group_commit_table(rows: list[BenchRow], *, to_stderr: bool) -> None:
                    "with its spread and every run in the JSON.")
 @click.option("--json", "json_path", default=None, metavar="PATH")
 @click.option("--plot", "plot_path", default=None, metavar="PATH", help="Write a PNG chart of the ratios.")
+@click.option("--from-json", "from_json", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              metavar="PATH", help="Run nothing: draw --plot (and the table) from the rows of earlier --json files.")
 def bench(which: str, messages: int | None, bootstrap_servers: str | None, repeat: int, json_path: str | None,
-          plot_path: str | None) -> None:
+          plot_path: str | None, from_json: tuple[str, ...]) -> None:
     """Measure producer, producer-calls, consumer, eos, dedup and spark variants against their baselines."""
     check_writable(json_path)
     check_writable(plot_path)
     if plot_path is not None and missing_modules("plot"):
         # Said before the runs, not after minutes of benchmarking.
         raise click.UsageError("--plot needs the plot extra (matplotlib): pip install 'reliable-kafka[plot]'")
+    if from_json:
+        _redraw(from_json, plot_path)
+        return
     n = messages or 1_000_000
     chosen = list(BENCHES) if which == "all" else [which]
     load_before = os.getloadavg()

@@ -74,6 +74,26 @@ def test_bench_plot_without_the_plot_extra_is_refused_before_any_run(monkeypatch
     assert "pip install 'reliable-kafka[plot]'" in result.output
 
 
+def test_bench_redraws_the_plot_and_table_of_earlier_runs_from_their_json(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    from reliable_kafka.cli import bench as bench_cli
+
+    monkeypatch.setattr(bench_cli, "LocalKafkaCluster", None)  # nothing is measured: no cluster may start
+    runs = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "services"
+    png = tmp_path / "bench.png"
+    result = CliRunner().invoke(cli, ["bench", "--from-json", str(runs / "producer-calls.json"),
+                                      "--from-json", str(runs / "consumer.json"), "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert "send-threads-16-process" in result.output and "aio_reliable" in result.output
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width >= 900 and height >= 60 * 10, (width, height)  # a row of room per bar: no label overlaps
+    (tmp_path / "not-bench.json").write_text('{"scenarios": []}')
+    refused = CliRunner().invoke(cli, ["bench", "--from-json", str(tmp_path / "not-bench.json")])
+    assert refused.exit_code == 2 and "not the JSON of `reliable-kafka bench --json`" in refused.output
+
+
 def test_log_records_of_a_run_go_to_its_log_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("RK_RUNS_DIR", str(tmp_path))
