@@ -62,10 +62,9 @@ def new_id() -> str:
     if state is None or state[0] != _fork_generation:
         # This thread's first id: its own random bits, and it starts after every id made so far
         # (the lock once per thread: new_ids() may have made this thread's earlier ids).
-        r = _rng.getrandbits(62)  # variant 0b10, then 62 random bits
+        suffix = _random_suffix()
         with _lock:
-            state = [_fork_generation, _last_ms, _counter, _prefix(_last_ms),
-                     f"-{0x8000 | (r >> 48):04x}-{r & 0xFFFFFFFFFFFF:012x}"]
+            state = [_fork_generation, _last_ms, _counter, _prefix(_last_ms), suffix]
         _local.state = state
     if ms > state[1]:
         state[1], state[2], state[3] = ms, 0, _prefix(ms)
@@ -79,6 +78,13 @@ def new_id() -> str:
 
 # The counter field as text, made once: formatting it per id was most of an id's cost.
 _COUNTER_HEX = [f"{i:03x}" for i in range(0x1000)]
+
+
+def _random_suffix() -> str:
+    """The variant bits (0b10) and 62 random bits, as an id's last two fields."""
+    # Uniqueness, not secrecy, is needed: the PRNG is several times cheaper than os.urandom.
+    r = _rng.getrandbits(62)
+    return f"-{0x8000 | (r >> 48):04x}-{r & 0xFFFFFFFFFFFF:012x}"
 
 
 def _prefix(ms: int) -> str:
@@ -106,9 +112,7 @@ def new_ids(n: int) -> list[str]:
             _last_ms, _counter = ms, -1
         if mine is not None and (mine[1], mine[2]) > (_last_ms, _counter):
             _last_ms, _counter = mine[1], mine[2]
-        # Uniqueness, not secrecy, is needed: the PRNG is several times cheaper than os.urandom.
-        r = _rng.getrandbits(62)  # variant 0b10, then 62 random bits
-        suffix = f"-{0x8000 | (r >> 48):04x}-{r & 0xFFFFFFFFFFFF:012x}"
+        suffix = _random_suffix()
         while n > 0:
             start = _counter + 1
             if start > 0xFFF:  # counter overflow: borrow the next millisecond

@@ -89,6 +89,18 @@ def plot(rows: list[BenchRow], path: str) -> None:
     plt.close(fig)
 
 
+def _results_table(title: str, rows: list[BenchRow], *, to_stderr: bool) -> None:
+    """One row per variant: its median and spread, its baseline, its ratio and target, its peak RSS."""
+    table(title,
+          ["benchmark", "variant", "messages", "msgs/s", "min–max", "baseline", "ratio", "ratio min–max", "target",
+           "peak RSS MB"],
+          [[r.name, r.variant, r.messages, f"{r.msgs_per_s:,.0f}",
+            f"{min(r.runs):,.0f}–{max(r.runs):,.0f}" if r.runs else "", r.baseline, f"{r.ratio_vs_baseline:.2f}",
+            "" if r.ratio_min is None or r.ratio_max is None else f"{r.ratio_min:.2f}–{r.ratio_max:.2f}",
+            "" if (r.name, r.variant) not in TARGETS else f"≥ {TARGETS[(r.name, r.variant)]}",
+            f"{r.peak_rss_mb:.0f}"] for r in rows], to_stderr=to_stderr)
+
+
 def _redraw(paths: tuple[str, ...], plot_path: str | None) -> None:
     """The table (and the plot) of earlier runs, from their JSON: a chart is redrawn without re-measuring."""
     rows: list[BenchRow] = []
@@ -99,10 +111,7 @@ def _redraw(paths: tuple[str, ...], plot_path: str | None) -> None:
             fail(f"{path} is not the JSON of `reliable-kafka bench --json`: {exc!r}", code=2)
     if not rows:
         fail("no benchmark rows in " + ", ".join(paths), code=2)
-    table("benchmarks (from " + ", ".join(paths) + ")",
-          ["benchmark", "variant", "msgs/s", "baseline", "ratio", "target"],
-          [[r.name, r.variant, f"{r.msgs_per_s:,.0f}", r.baseline, f"{r.ratio_vs_baseline:.2f}",
-            "" if (r.name, r.variant) not in TARGETS else f"≥ {TARGETS[(r.name, r.variant)]}"] for r in rows])
+    _results_table("benchmarks (from " + ", ".join(paths) + ")", rows, to_stderr=False)
     if plot_path is not None:
         plot(rows, plot_path)
 
@@ -198,14 +207,8 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, repea
         finally:
             if cluster is not None:
                 cluster.stop()
-    table(f"benchmarks: median of {repeat} interleaved round(s), ratios against a baseline in the same run",
-          ["benchmark", "variant", "messages", "msgs/s", "min–max", "baseline", "ratio", "ratio min–max", "target",
-           "peak RSS MB"],
-          [[r.name, r.variant, r.messages, f"{r.msgs_per_s:,.0f}",
-            f"{min(r.runs):,.0f}–{max(r.runs):,.0f}" if r.runs else "", r.baseline, f"{r.ratio_vs_baseline:.2f}",
-            "" if r.ratio_min is None or r.ratio_max is None else f"{r.ratio_min:.2f}–{r.ratio_max:.2f}",
-            "" if (r.name, r.variant) not in TARGETS else f"≥ {TARGETS[(r.name, r.variant)]}",
-            f"{r.peak_rss_mb:.0f}"] for r in rows], to_stderr=json_path == "-")
+    _results_table(f"benchmarks: median of {repeat} interleaved round(s), ratios against a baseline in the same run",
+                   rows, to_stderr=json_path == "-")
     _group_commit_table(rows, to_stderr=json_path == "-")
     short = [f"{r.name}/{r.variant} {r.shortest_run_s:.1f} s" for r in rows if r.short]
     if short:

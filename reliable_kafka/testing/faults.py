@@ -73,6 +73,24 @@ def leader_ahead(cluster: LocalKafkaCluster, topic: str, iso: IsolatedLeader, pa
     return all(lead > log_bytes(cluster, f, topic, partition) for f in iso.followers)
 
 
+def settled_leader(cluster: LocalKafkaCluster, topic: str, partition: int = 0) -> IsolatedLeader:
+    """The partition's settled leader and its followers (see `settled_state`)."""
+    state = settled_state(cluster, topic, partition)
+    return IsolatedLeader(leader=state.leader, followers=[r for r in state.replicas if r != state.leader])
+
+
+@contextlib.contextmanager
+def paused(cluster: LocalKafkaCluster, nodes: Sequence[int]) -> Iterator[None]:
+    """The nodes paused (SIGSTOP) inside the block and resumed on the way out, whatever happened inside."""
+    for n in nodes:
+        cluster.pause(n)
+    try:
+        yield
+    finally:
+        for n in nodes:
+            cluster.resume(n)
+
+
 @contextlib.contextmanager
 def followers_paused(cluster: LocalKafkaCluster, topic: str, partition: int = 0) -> Iterator[IsolatedLeader]:
     """Both followers of the partition paused (SIGSTOP): what is produced inside reaches the leader alone.
@@ -80,11 +98,8 @@ def followers_paused(cluster: LocalKafkaCluster, topic: str, partition: int = 0)
     With two of three controllers paused, the controller quorum cannot shrink the ISR either, so the
     followers stay eligible for election. They are resumed on exit.
     """
-    state = settled_state(cluster, topic, partition)
-    iso = IsolatedLeader(leader=state.leader, followers=[r for r in state.replicas if r != state.leader])
-    for f in iso.followers:
-        cluster.pause(f)
-    try:
+    iso = settled_leader(cluster, topic, partition)
+    with paused(cluster, iso.followers):
         # A follower's last fetch, sent before it was paused, stays parked at the leader for up to
         # replica.fetch.wait.max.ms. Records produced meanwhile complete it: the response lands in the
         # paused follower's socket, it appends them when resumed, becomes leader with them, and nothing
@@ -96,9 +111,6 @@ def followers_paused(cluster: LocalKafkaCluster, topic: str, partition: int = 0)
         fetch_wait_s = int(cluster.broker_config.get("replica.fetch.wait.max.ms", _KAFKA_REPLICA_FETCH_WAIT_MS)) / 1000
         time.sleep(3 * fetch_wait_s)
         yield iso
-    finally:
-        for f in iso.followers:
-            cluster.resume(f)
 
 
 @contextlib.contextmanager
@@ -204,24 +216,21 @@ def _stall_then_kill(cluster: LocalKafkaCluster, topic: str, partition: int, whe
     them; if it does not, the followers resume and the attempt is re-armed (bounded, logged)."""
     for attempt in range(1, attempts + 1):
         # Read while the cluster is settled, before the stream's window opens: it takes a second or two.
-        state = settled_state(cluster, topic, partition)
-        iso = IsolatedLeader(leader=state.leader, followers=[r for r in state.replicas if r != state.leader])
+        iso = settled_leader(cluster, topic, partition)
 
         def stall_and_kill(iso: IsolatedLeader = iso) -> bool:
-            for f in iso.followers:
-                cluster.pause(f)
-            before = progress()
-            try:
-                fire_when(lambda: progress() - before >= behind_by
-                          and (not leader_ahead_first or leader_ahead(cluster, topic, iso, partition)),
-                          lambda: cluster.kill(iso.leader),
-                          what=f"{what}: leader {iso.leader} ahead of its stalled followers", timeout_s=timeout_s)
-                return True
-            except FaultNotArmed:
-                return False
-            finally:  # the leader is dead, or lives on (not armed): either way the followers go on
-                for f in iso.followers:
-                    cluster.resume(f)
+            # On the way out the leader is dead, or lives on (not armed): either way the followers go on.
+            with paused(cluster, iso.followers):
+                before = progress()
+                try:
+                    fire_when(lambda: progress() - before >= behind_by
+                              and (not leader_ahead_first or leader_ahead(cluster, topic, iso, partition)),
+                              lambda: cluster.kill(iso.leader),
+                              what=f"{what}: leader {iso.leader} ahead of its stalled followers",
+                              timeout_s=timeout_s)
+                    return True
+                except FaultNotArmed:
+                    return False
 
         if fire_when(when, stall_and_kill, what=what, rearm=rearm, attempts=attempts, timeout_s=timeout_s):
             return iso.leader
