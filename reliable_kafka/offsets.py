@@ -231,6 +231,20 @@ class OffsetTracker:
                 if part is not None and (part.committed is None or offset > part.committed):
                     part.committed = offset
 
+    def mark_landed(self, offsets: Mapping[TopicPartition, int]) -> bool:
+        """Record that a commit of these next-offsets was the last to land, even if it is older than
+        one confirmed before (the group keeps the last write, not the highest). Returns True if some
+        partition went back: committable() offers its newer offset again."""
+        went_back = False
+        with self._lock:
+            for key, offset in offsets.items():
+                part = self._partitions.get(key)
+                if part is None:
+                    continue
+                went_back |= part.committed is not None and offset < part.committed
+                part.committed = offset
+        return went_back
+
     def drop(self, partitions: Iterable[TopicPartition]) -> None:
         """Forget revoked or lost partitions: staged offsets are discarded and their epochs become stale."""
         with self._lock:

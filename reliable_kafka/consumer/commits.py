@@ -80,6 +80,12 @@ class CommitCoordinator:
         self._since_commit = 0
         self._last_commit = clock()
         self._async_commit_failed = False
+        # When the asynchronous commit in flight was sent (None: none is). One at a time, because
+        # librdkafka retries a commit that timed out or lost its coordinator by itself, after a
+        # backoff: a newer commit sent meanwhile can land first, and the retried older one then
+        # overwrites it (the group's offsets are last-writer-wins). The broker would hold an offset
+        # behind the one we saw confirmed, and nothing would ever commit that partition again.
+        self._async_sent_at: float | None = None
 
     # ---- what is done ---------------------------------------------------------------------
 
@@ -142,6 +148,15 @@ class CommitCoordinator:
         if self._since_commit >= self._every or (
             self._since_commit and self._clock() - self._last_commit >= self._interval_s
         ):
+            if self._async_sent_at is not None:
+                # The last one has not reported yet: wait for it (its report is served by consume()),
+                # unless it is overdue, then commit synchronously, as after a failure.
+                if self._clock() - self._async_sent_at < self._timeout_s:
+                    return
+                log.warning("asynchronous commit unanswered after %.0fs; committing synchronously",
+                            self._timeout_s)
+                self._async_sent_at = None
+                self._async_commit_failed = True
             if self._async_commit_failed:
                 self._async_commit_failed = False
                 self.commit()
@@ -162,20 +177,30 @@ class CommitCoordinator:
             log.info("asynchronous commit not sent (%s); the next commit is synchronous", describe(exc))
             self._async_commit_failed = True
             return
+        self._async_sent_at = self._last_commit
         self._counters.add("commits")
 
     def on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
         """librdkafka's report of a commit (served by consume(), on the loop thread)."""
+        # Only asynchronous commits report here (a synchronous one returns its result instead).
+        self._async_sent_at = None
         if self._user_on_commit is not None:
             self._user_on_commit(err, partitions)
         failed = err if err is not None else next((tp.error for tp in partitions if tp.error is not None), None)
         if failed is None:
-            self.tracker.mark_committed({(tp.topic, tp.partition): tp.offset for tp in partitions})
+            landed = {(tp.topic, tp.partition): tp.offset for tp in partitions}
+            if self.tracker.mark_landed(landed):
+                # A synchronous commit (a revoke's, a user's) confirmed a later offset before this older
+                # one landed: the broker may now hold the older one. Offer the newer one again.
+                log.info("an older commit landed after a newer one; committing the newer offsets again")
+                self._since_commit = max(self._since_commit, 1)
             return
         if failed.code() == KafkaError._NO_OFFSET:
             return
-        # Nothing is marked committed, so the same offsets are offered again, synchronously.
+        # Nothing is marked committed, so the same offsets are offered again, synchronously, at the next
+        # interval even if nothing new is processed by then (at the end of a stream, say).
         self._async_commit_failed = True
+        self._since_commit = max(self._since_commit, 1)
         self._counters.add("commit_failures")
         log.warning("offset commit failed (%s); committing synchronously next", describe(failed))
 
