@@ -7,19 +7,63 @@ front end that runs an outbox commit, a librdkafka call or a slow callback on th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import threading
 from typing import Any
 
 # Linux's per-thread scheduler statistics: "<ns on a CPU> <ns runnable, waiting for a CPU> <timeslices>".
-_SCHEDSTAT = "/proc/thread-self/schedstat"
+_SCHEDSTAT = "/proc/self/task/{}/schedstat"
 
 
-def _cpu_wait_s() -> float | None:
-    """Seconds the calling thread has spent runnable but waiting for a CPU (None where the kernel does not say)."""
-    try:
-        with open(_SCHEDSTAT, "rb") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return None
+class _PythonThreadWaits:
+    """How long each Python thread of this process has waited for a CPU (ns), read from open files.
+
+    Only Python threads: they are the ones that can hold the GIL the loop needs. A thread descheduled
+    while it holds it keeps the loop waiting exactly as long as it waits for a CPU itself. librdkafka's
+    and other native threads never hold it. One pread per thread (about 1.5 us; opening the files on
+    each read would cost 40 us a thread), the thread list is looked at every `_REFRESH_EVERY` reads.
+    """
+
+    _REFRESH_EVERY = 50
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+        self._reads = 0
+
+    def _refresh(self) -> None:
+        alive = {t.native_id for t in threading.enumerate() if t.native_id is not None}
+        alive.add(threading.get_native_id())
+        for tid in set(self._fds) - alive:
+            os.close(self._fds.pop(tid))
+        for tid in alive - set(self._fds):
+            with contextlib.suppress(OSError):  # the thread ended meanwhile
+                self._fds[tid] = os.open(_SCHEDSTAT.format(tid), os.O_RDONLY)
+
+    def read(self) -> dict[int, int] | None:
+        """{thread id: ns waited for a CPU}, or None where the kernel does not say."""
+        if self._reads % self._REFRESH_EVERY == 0:
+            self._refresh()
+            if not self._fds:
+                return None
+        self._reads += 1
+        waits = {}
+        for tid, fd in list(self._fds.items()):
+            try:
+                waits[tid] = int(os.pread(fd, 128, 0).split()[1])
+            except (OSError, IndexError, ValueError):  # the thread ended
+                os.close(self._fds.pop(tid))
+        return waits
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _longest_wait_s(before: dict[int, int], after: dict[int, int]) -> float:
+    """The longest any one thread waited for a CPU between two reads (threads in both)."""
+    return max((after[tid] - before[tid] for tid in after.keys() & before.keys()), default=0) / 1e9
 
 
 class LoopStallProbe:
@@ -27,10 +71,13 @@ class LoopStallProbe:
     time the loop was kept from running it, by a blocking call, a long callback or a long run of other
     tasks. Use it inside a running loop: `with LoopStallProbe() as probe: ...`, then `probe.worst_s`.
 
-    `discount_cpu_waits=True` (for tests, on Linux): each overshoot less the time the loop's thread spent
-    runnable but waiting for a CPU meanwhile. A host with more runnable threads than cores delays a
-    wake-up without any code keeping the loop busy; a blocking call, a long callback or a wait for the GIL
-    is not a wait for a CPU, so it still counts in full. `worst_raw_s` keeps the undiscounted worst."""
+    `discount_cpu_waits=True` (for tests, on Linux): each overshoot less the longest time one Python
+    thread of the process (the loop's own, or one holding the GIL the loop needs) spent runnable but
+    waiting for a CPU meanwhile. A host with more runnable threads than cores delays a wake-up without
+    any code keeping the loop busy, and a thread it deschedules while it holds the GIL keeps the loop
+    waiting as long. A blocking call, a long callback or a GIL held by a thread that runs (a C call that
+    does not release it) is not a wait for a CPU, so it still counts in full. `worst_raw_s` keeps the
+    undiscounted worst."""
 
     def __init__(self, interval_s: float = 0.002, *, discount_cpu_waits: bool = False) -> None:
         self.interval_s = interval_s
@@ -43,20 +90,26 @@ class LoopStallProbe:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        waited = _cpu_wait_s() if self._discount else None
-        while True:
-            self._asleep_since = before = loop.time()
-            await asyncio.sleep(self.interval_s)
-            self._asleep_since = None
-            over = loop.time() - before - self.interval_s
-            self.worst_raw_s = max(self.worst_raw_s, over)
-            if waited is not None:
-                now = _cpu_wait_s()
-                if now is not None:
-                    self.cpu_wait_s += now - waited
-                    over -= now - waited
-                    waited = now
-            self.worst_s = max(self.worst_s, over)
+        threads = _PythonThreadWaits() if self._discount else None
+        waited = threads.read() if threads is not None else None
+        try:
+            while True:
+                self._asleep_since = before = loop.time()
+                await asyncio.sleep(self.interval_s)
+                self._asleep_since = None
+                over = loop.time() - before - self.interval_s
+                self.worst_raw_s = max(self.worst_raw_s, over)
+                if threads is not None and waited is not None:
+                    now = threads.read()
+                    if now is not None:
+                        wait = min(max(over, 0.0), _longest_wait_s(waited, now))
+                        self.cpu_wait_s += wait
+                        over -= wait
+                        waited = now
+                self.worst_s = max(self.worst_s, over)
+        finally:
+            if threads is not None:
+                threads.close()
 
     def __enter__(self) -> LoopStallProbe:
         self._task = asyncio.get_running_loop().create_task(self._run())

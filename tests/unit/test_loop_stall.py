@@ -75,3 +75,43 @@ def test_a_wait_for_a_cpu_is_discounted_and_a_blocking_call_is_not() -> None:
 
     probe = asyncio.run(blocked())
     assert probe.worst_s >= 0.25, (probe.worst_s, probe.worst_raw_s)
+
+
+# The same starved core, but the loop's thread runs at normal priority and a second Python thread of
+# its process spins at SCHED_IDLE: whenever it is descheduled holding the GIL, the loop waits for it.
+_GIL_HOLDER = """
+import asyncio, json, os, subprocess, sys, threading
+from reliable_kafka.testing.loop_stall import LoopStallProbe
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+spin = "import time\\nend = time.monotonic() + 10\\nwhile time.monotonic() < end: pass"
+busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+stop = threading.Event()
+def holder():
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
+    while not stop.is_set():
+        pass  # pure Python: it holds the GIL whenever it runs
+try:
+    async def main():
+        with LoopStallProbe(0.002, discount_cpu_waits=True) as probe:
+            t = threading.Thread(target=holder)
+            t.start()
+            await asyncio.sleep(1.0)
+            stop.set()
+        t.join()
+        return probe
+    probe = asyncio.run(main())
+    print(json.dumps({"raw": probe.worst_raw_s, "ours": probe.worst_s, "cpu_wait": probe.cpu_wait_s}))
+finally:
+    for b in busy:
+        b.kill()
+        b.wait()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU-wait discount reads Linux's schedstat")
+def test_a_gil_holder_waiting_for_a_cpu_is_discounted() -> None:
+    done = subprocess.run([sys.executable, "-c", _GIL_HOLDER], capture_output=True, text=True, timeout=60,
+                          check=True)
+    starved = json.loads(done.stdout)
+    assert starved["raw"] >= 0.05, starved
+    assert starved["ours"] < starved["raw"] / 4, starved
