@@ -13,6 +13,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 from reliable_kafka.admin import admin_client
 from reliable_kafka.cli.main import cli
 from reliable_kafka.doctor import CRITICAL, diagnose
+from reliable_kafka.retry import retry_kafka_call
 from reliable_kafka.testing import LocalKafkaCluster
 from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS
 from tests.fixtures.kafka import _require_kafka
@@ -41,7 +42,10 @@ def weak_cluster() -> Iterator[LocalKafkaCluster]:
         cluster.create_topic("unclean", 1, 1, {"unclean.leader.election.enable": True})
         # Use a group and a transaction so the internal topics exist with their weak settings.
         c = Consumer({"bootstrap.servers": cluster.bootstrap_servers, "group.id": "doctor-probe"})
-        c.commit(offsets=[TopicPartition("isr1", 0, 0)], asynchronous=False)
+        # The first commit on a fresh broker can meet COORDINATOR_LOAD_IN_PROGRESS while
+        # __consumer_offsets loads: retried as the library retries it, not left to chance.
+        retry_kafka_call(lambda: c.commit(offsets=[TopicPartition("isr1", 0, 0)], asynchronous=False),
+                         deadline_s=60, what="doctor probe commit")
         c.close()
         p = Producer({"bootstrap.servers": cluster.bootstrap_servers, "transactional.id": "doctor-probe"})
         p.init_transactions(30)

@@ -28,6 +28,10 @@ def _produce_with_aborted_transactions(bootstrap: str, topic: str, partitions: i
         for i, value in enumerate(values):
             txn.produce(topic, value, partition=i % partitions)
         if round_no % 2:
+            # Flush first: an abort while the records are still unsent can race librdkafka's
+            # partition registration and fail INVALID_TXN_STATE (librdkafka issue 4849). Flushed,
+            # the aborted records are really in the log, which is what the reader must skip.
+            assert txn.flush(30) == 0
             txn.abort_transaction(30)
             aborted += values
         else:
