@@ -1,7 +1,11 @@
-"""Shared test set-up: the real-part fixtures, and how the suite is spread over two pytest-xdist workers.
+"""Shared test set-up: the real-part fixtures, and how the suite is spread over pytest-xdist workers.
 
-`./dev test` runs two workers. Each worker that runs a cluster test starts its own 3-node cluster (a
-session fixture), so at most two clusters run at once (plus the doctor's weak one while its module runs).
+`./dev test` runs three workers. The first two run everything; each that runs a cluster test starts its
+own 3-node cluster (a session fixture), so at most two clusters run at once (plus the doctor's weak one
+while its module runs). The third is a helper for the tail: it takes only unit-tier tests, and only
+once no cluster or Spark test is left to hand out. While the clusters run, the two cores are busy and a
+third worker would only starve the brokers; in the tail (the unit tier, much of it waiting on timeouts
+and child processes) the cores were 20-75 % busy with two workers.
 How tests are handed out is decided here, by `Scheduling` below, not by xdist's `xdist_group` markers:
 with pytest 9.2, pytest-xdist 3.8 adds the group to a node id pytest no longer reads, so every marked
 test was handed out on its own and the groups this file once declared never held.
@@ -64,9 +68,39 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class Scheduling(LoadScopeScheduling):
-        """LoadScopeScheduling with our units as its scopes (xdist hands out larger scopes first)."""
+        """LoadScopeScheduling with our units as its scopes (xdist hands out larger scopes first), and
+        workers beyond the first CLUSTER_WORKERS held back until only unit-tier units are left."""
 
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
 
+        def _assign_work_unit(self, node: Any) -> None:
+            if is_tail_helper(node.gateway.id) and not only_unit_tier(self.workqueue):
+                return  # woken by _reschedule() of another worker once the queue holds unit tests only
+            super()._assign_work_unit(node)
+
+        def _reschedule(self, node: Any) -> None:
+            super()._reschedule(node)
+            # A test ended on `node`: a helper that was held back may take work now, or stop.
+            for helper in self.nodes:
+                if helper is node or helper.shutting_down or not is_tail_helper(helper.gateway.id):
+                    continue
+                if not self.workqueue:
+                    helper.shutdown()
+                elif self._pending_of(self.assigned_work[helper]) <= 2:
+                    self._assign_work_unit(helper)
+
     return Scheduling(config, log)
+
+
+CLUSTER_WORKERS = 2  # workers that may run cluster and Spark tests; any further one is a tail helper
+
+
+def is_tail_helper(worker_id: str) -> bool:
+    """gw0 and gw1 run everything; gw2 and up only the unit tier's tail."""
+    return int(worker_id.removeprefix("gw")) >= CLUSTER_WORKERS
+
+
+def only_unit_tier(units: Any) -> bool:
+    """Whether every unit still to hand out is a unit-tier one (none needs a cluster or Spark)."""
+    return all(unit.startswith("tests/unit/") for unit in units)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.conftest import WHOLE_MODULES, unit_of
+from tests.conftest import WHOLE_MODULES, is_tail_helper, only_unit_tier, unit_of
 
 ROOT = Path(__file__).resolve().parents[2]
 _COSTLY_FIXTURE = re.compile(r"@pytest\.fixture\([^)]*scope=\"(module|package|class)\"")
@@ -26,3 +26,10 @@ def test_the_spark_tests_are_one_unit_and_other_tests_their_own() -> None:
     producer = "tests/integration/test_producer.py"
     assert unit_of(f"{producer}::test_a") != unit_of(f"{producer}::test_b")
     assert unit_of("tests/unit/test_outbox.py::test_a[1]") == "tests/unit/test_outbox.py::test_a[1]"
+
+
+def test_the_third_worker_waits_for_a_queue_of_unit_tests_only() -> None:
+    assert [is_tail_helper(w) for w in ("gw0", "gw1", "gw2", "gw3")] == [False, False, True, True]
+    assert not only_unit_tier(["tests/spark", "tests/unit/test_outbox.py::test_a"])
+    assert not only_unit_tier(["tests/unit/test_outbox.py::test_a", "tests/integration/test_producer.py::test_b"])
+    assert only_unit_tier(["tests/unit/test_outbox.py::test_a", "tests/unit/test_wheel_install.py"])
