@@ -38,6 +38,7 @@ pytest_plugins = [
 WHOLE_MODULES = frozenset({
     "tests/integration/test_doctor.py",     # a second cluster with weak settings
     "tests/integration/test_telemetry.py",  # the OpenTelemetry SDK set up once per module
+    "tests/integration/test_secured_cluster.py",  # a one-node SASL/ACL cluster
     "tests/unit/test_wheel_install.py",     # a wheel built once
 })
 

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -65,6 +66,9 @@ _FAST_FAULT_SETTINGS: dict[str, Any] = {
 # 22 and 15 (measured on the 2-core test host, three restarts each): the optimising compiler's work pays
 # off only in long, busy runs, so benchmarks keep the JVM's default.
 QUICK_START_JVM_OPTIONS: tuple[str, ...] = ("-XX:TieredStopAtLevel=1",)
+
+# What LocalKafkaCluster(security=...) can set up: None (open PLAINTEXT) or SASL/PLAIN with ACLs.
+_SECURITY = (None, "sasl-plain")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -194,11 +198,22 @@ class LocalKafkaCluster:
     # Set for a cluster re-attached from a state file: every node (re)start is written back to it,
     # so `reliable-kafka cluster stop` finds the new pids too.
     state_path: Path | None = field(default=None, init=False)
+    # None: an open PLAINTEXT cluster. "sasl-plain": clients authenticate with SASL/PLAIN and are
+    # authorized by Kafka's StandardAuthorizer (no ACL, no access); the harness itself is the super
+    # user "admin". `users` adds principals ({name: password}) that start with no ACL at all.
+    security: str | None = None
+    users: Mapping[str, str] = field(default_factory=dict, repr=False)
+    _admin_password: str = field(default_factory=lambda: secrets.token_urlsafe(18), init=False, repr=False)
 
     def __post_init__(self) -> None:
         # A lone string would otherwise be taken apart into one-character JVM flags.
         if isinstance(self.jvm_options, str):
             raise TypeError(f"jvm_options takes a sequence of flags, e.g. ({self.jvm_options!r},), not a string")
+        if self.security not in _SECURITY:
+            raise ValueError(f"security={self.security!r} is not supported: use one of "
+                             f"{', '.join(repr(s) for s in _SECURITY)}")
+        if "admin" in self.users:
+            raise ValueError("'admin' is the harness's own super user: name the other principals differently")
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -353,10 +368,23 @@ class LocalKafkaCluster:
 
     def _admin_conf(self, running: tuple[int, ...]) -> dict[str, Any]:
         return {
+            **self.client_config("admin"),
             "bootstrap.servers": self.bootstrap_of(*running),
             "socket.timeout.ms": 5000,
             "logger": _RDKAFKA_LOG,
         }
+
+    def client_config(self, user: str = "admin") -> dict[str, Any]:
+        """librdkafka settings that reach this cluster as `user` ("admin": the super user the harness
+        itself is). On an open cluster, just the bootstrap servers."""
+        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap_servers}
+        if self.security is None:
+            return conf
+        password = self._admin_password if user == "admin" else self.users.get(user)
+        if password is None:
+            raise ValueError(f"no user {user!r} on this cluster: pass users={{{user!r}: password}} when creating it")
+        return {**conf, "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN",
+                "sasl.username": user, "sasl.password": password}
 
     def partition_state(self, topic: str, partition: int = 0, timeout: float = 10.0) -> PartitionState | None:
         """Leader, replicas and ISR of a partition as the cluster's metadata says now (None if it stays
@@ -532,6 +560,7 @@ class LocalKafkaCluster:
         return {
             "cluster_id": self.cluster_id,
             "bootstrap_servers": self.bootstrap_servers,
+            "security": self.security,  # never the passwords
             "controllers": len(self._quorum()) if self.nodes else self.controllers,
             "data_dir": str(self.data_dir),
             "nodes": [
@@ -581,7 +610,8 @@ class LocalKafkaCluster:
     def _server_properties(self, node: KafkaNode) -> str:
         internal_rf = min(3, self.brokers)
         voter = node in self._quorum()
-        listeners = f"PLAINTEXT://127.0.0.1:{node.broker_port}"
+        client = "PLAINTEXT" if self.security is None else "SASL_PLAINTEXT"
+        listeners = f"{client}://127.0.0.1:{node.broker_port}"
         if voter:
             listeners += f",CONTROLLER://127.0.0.1:{node.controller_port}"
         settings: dict[str, Any] = {
@@ -591,10 +621,11 @@ class LocalKafkaCluster:
                 f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self._quorum()
             ),
             "listeners": listeners,
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{node.broker_port}",
+            "advertised.listeners": f"{client}://127.0.0.1:{node.broker_port}",
             "controller.listener.names": "CONTROLLER",
-            "inter.broker.listener.name": "PLAINTEXT",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+            "inter.broker.listener.name": client,
+            "listener.security.protocol.map": f"{client}:{client},CONTROLLER:PLAINTEXT",
+            **self._security_settings(),
             "log.dirs": str(node.directory / "data"),
             "default.replication.factor": internal_rf,
             "min.insync.replicas": min(2, internal_rf),
@@ -607,6 +638,25 @@ class LocalKafkaCluster:
             **dict(self.broker_config),
         }
         return "".join(f"{k}={_prop(v)}\n" for k, v in settings.items())
+
+    def _security_settings(self) -> dict[str, Any]:
+        if self.security is None:
+            return {}
+        # Brokers replicate as "admin" over the SASL listener. The controller listener stays PLAINTEXT
+        # on loopback and is never advertised: its principal (ANONYMOUS) is a super user so that the
+        # nodes' own quorum traffic is authorized.
+        accounts = {"admin": self._admin_password, **self.users}
+        users = " ".join(f'user_{name}="{password}"' for name, password in accounts.items())
+        return {
+            "sasl.enabled.mechanisms": "PLAIN",
+            "sasl.mechanism.inter.broker.protocol": "PLAIN",
+            "listener.name.sasl_plaintext.plain.sasl.jaas.config":
+                "org.apache.kafka.common.security.plain.PlainLoginModule required "
+                f'username="admin" password="{self._admin_password}" {users};',
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "super.users": "User:admin;User:ANONYMOUS",
+            "allow.everyone.if.no.acl.found": False,
+        }
 
     def _java_cmd(self, libs: Path, main: str, *args: str, heap_mb: int) -> list[str]:
         return [
@@ -733,16 +783,19 @@ def consume_all(
     *,
     isolation_level: str = "read_committed",
     timeout: float = 60.0,
+    config: Mapping[str, Any] | None = None,
 ) -> Iterator[Any]:
     """Every record of a topic, read by an independent consumer with no group (assign + end offsets).
 
     Reads until each partition's position reaches the high watermark (or the last stable offset
     under read_committed) seen at the start, so transaction markers and gaps cannot stall it.
+    `config` adds client settings (a secured cluster's `client_config()`).
     """
     from confluent_kafka import Consumer, TopicPartition
 
     consumer = Consumer(
         {
+            **(config or {}),
             "bootstrap.servers": bootstrap_servers,
             "group.id": f"rk-reader-{uuid.uuid4()}",
             "enable.auto.commit": False,
