@@ -15,7 +15,9 @@ from reliable_kafka.consumer import (
 )
 from reliable_kafka.dedup import ClaimResult, DedupStore, SQLiteDedupStore
 from reliable_kafka.errors import (
+    AuthorizationFailed,
     ClientClosed,
+    ClusterAuthorizationFailed,
     ClusterError,
     ClusterUnreachable,
     CommitFailed,
@@ -38,6 +40,7 @@ from reliable_kafka.errors import (
     RetriesExhausted,
     RetryInterrupted,
     SerializationError,
+    TopicAuthorizationFailed,
     TopicConfigError,
     TopicMissing,
     TransactionFailed,
@@ -104,7 +107,9 @@ __all__ = [
     "OutboxFull",
     "OutboxLocked",
     "PartitionWriteFailed",
+    "AuthorizationFailed",
     "ClientClosed",
+    "ClusterAuthorizationFailed",
     "ProducerClosed",
     "ReadIncomplete",
     "RefusedByKafka",
@@ -113,6 +118,7 @@ __all__ = [
     "RetryInterrupted",
     "SerializationError",
     "TopicConfigError",
+    "TopicAuthorizationFailed",
     "TopicMissing",
     "TransactionFailed",
     "TransactionFenced",

@@ -17,7 +17,14 @@ from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from reliable_kafka.config import connection_settings
-from reliable_kafka.errors import ClusterUnreachable, ConfigError, TopicConfigError
+from reliable_kafka.errors import (
+    ClusterAuthorizationFailed,
+    ClusterUnreachable,
+    ConfigError,
+    TopicAuthorizationFailed,
+    TopicConfigError,
+)
+from reliable_kafka.kafka_errors import code_of
 from reliable_kafka.retry import retry_kafka_call
 
 log = logging.getLogger(__name__)
@@ -76,6 +83,9 @@ def describe_topic(admin: AdminClient, topic: str, timeout: float = 10.0) -> Top
     except KafkaException as exc:
         raise ClusterUnreachable(f"no broker answered a metadata request within {timeout:.0f}s: {exc}") from exc
     t = md.topics.get(topic)
+    if t is not None and t.error is not None and t.error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+        # The broker hides a topic the principal may not describe: denied, not missing.
+        raise TopicAuthorizationFailed(topic, "Describe")
     if t is None or t.error is not None or not t.partitions:
         return None
     rf = min(len(p.replicas) for p in t.partitions.values())
@@ -102,6 +112,8 @@ def topic_configs(admin: AdminClient, topic: str, timeout: float = 10.0) -> dict
             what=f"configuration of topic {topic!r}",
         )
     except (KafkaException, concurrent.futures.TimeoutError) as exc:
+        if isinstance(exc, KafkaException) and code_of(exc) == KafkaError.TOPIC_AUTHORIZATION_FAILED:
+            raise TopicAuthorizationFailed(topic, "DescribeConfigs") from exc
         raise ClusterUnreachable(f"could not read the configuration of topic {topic!r}: {exc}") from exc
     return {k: v.value for k, v in entries.items() if v.value is not None}
 
@@ -111,6 +123,8 @@ def broker_configs(admin: AdminClient, broker_id: int, timeout: float = 10.0) ->
     try:
         entries = admin.describe_configs([res], request_timeout=timeout)[res].result(timeout=timeout)
     except (KafkaException, concurrent.futures.TimeoutError) as exc:
+        if isinstance(exc, KafkaException) and code_of(exc) == KafkaError.CLUSTER_AUTHORIZATION_FAILED:
+            raise ClusterAuthorizationFailed("DescribeConfigs") from exc
         raise ClusterUnreachable(f"could not read the configuration of broker {broker_id}: {exc}") from exc
     return {k: v.value for k, v in entries.items() if v.value is not None}
 
@@ -123,7 +137,12 @@ def preflight(admin: AdminClient, topic: str, *, mode: str = "error", timeout: f
     """
     if mode not in ("error", "warn", "off"):
         raise ValueError(f"preflight must be 'error', 'warn' or 'off', not {mode!r}")
-    durability = describe_topic(admin, topic, timeout)
+    try:
+        durability = describe_topic(admin, topic, timeout)
+    except TopicAuthorizationFailed:
+        if mode == "off":  # "off" describes what it may, and checks nothing
+            return None
+        raise
     if durability is None:
         return None
     problems = durability.problems()

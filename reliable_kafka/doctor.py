@@ -17,7 +17,7 @@ from reliable_kafka.admin import (
     broker_configs,
     describe_topic,
 )
-from reliable_kafka.errors import ClusterUnreachable
+from reliable_kafka.errors import ClusterAuthorizationFailed, ClusterUnreachable, TopicAuthorizationFailed
 
 CRITICAL, WARNING, OK = "critical", "warning", "ok"
 INTERNAL_TOPICS = {
@@ -39,7 +39,12 @@ class Finding:
 
 
 def _topic_findings(admin: AdminClient, topic: str, live: int, timeout: float) -> list[Finding]:
-    d = describe_topic(admin, topic, timeout)
+    try:
+        d = describe_topic(admin, topic, timeout)
+    except TopicAuthorizationFailed as exc:
+        return [Finding(WARNING, "authorization", topic,
+                        f"this principal may not {exc.operation} the topic, so its settings were not checked",
+                        f"grant Describe and DescribeConfigs on topic {topic} to the principal doctor runs as")]
     if d is None:
         return []
     out = []
@@ -93,7 +98,30 @@ def diagnose(admin: AdminClient, *, timeout: float = 10.0, include_ok: bool = Tr
     findings.append(Finding(OK, "brokers", "cluster", f"{live} broker(s) registered", ""))
     # Broker defaults for the internal topics, which may not exist yet (they are created on first use).
     any_broker = sorted(md.brokers)[0]
-    bconf: dict[str, Any] = broker_configs(admin, any_broker, timeout)
+    try:
+        findings += _broker_findings(broker_configs(admin, any_broker, timeout), any_broker)
+    except ClusterAuthorizationFailed:
+        findings.append(Finding(WARNING, "authorization", f"broker {any_broker}",
+                                "this principal may not DescribeConfigs on the cluster, so the broker settings "
+                                "were not checked", "grant DescribeConfigs on the cluster to the principal doctor "
+                                "runs as (kafka-acls.sh --add --operation DescribeConfigs --cluster)"))
+    for name, t in sorted(md.topics.items()):
+        offline = [p for p, pm in t.partitions.items() if pm.leader < 0]
+        if offline:
+            findings.append(Finding(CRITICAL, "offline-partitions", name,
+                                    f"partitions {offline[:10]} have no leader", "bring their replicas back"))
+        under = [p for p, pm in t.partitions.items() if pm.leader >= 0 and set(pm.isrs) != set(pm.replicas)]
+        if under:
+            findings.append(Finding(WARNING, "under-replicated", name,
+                                    f"partitions {under[:10]} have fewer in-sync replicas than replicas",
+                                    "check the lagging brokers"))
+        findings += _topic_findings(admin, name, live, timeout)
+    return findings if include_ok else [f for f in findings if f.severity != OK]
+
+
+def _broker_findings(bconf: dict[str, Any], any_broker: int) -> list[Finding]:
+    """The broker settings' checks: defaults for the internal topics and for every topic."""
+    findings: list[Finding] = []
     for topic, (rf_key, isr_key) in INTERNAL_TOPICS.items():
         rf = int(bconf.get(rf_key, "3"))
         if rf < MIN_REPLICATION_FACTOR:
@@ -125,15 +153,4 @@ def diagnose(admin: AdminClient, *, timeout: float = 10.0, include_ok: bool = Tr
     else:
         findings.append(Finding(OK, "min.insync.replicas", f"broker {any_broker}",
                                 f"the broker default min.insync.replicas={bconf.get('min.insync.replicas')}", ""))
-    for name, t in sorted(md.topics.items()):
-        offline = [p for p, pm in t.partitions.items() if pm.leader < 0]
-        if offline:
-            findings.append(Finding(CRITICAL, "offline-partitions", name,
-                                    f"partitions {offline[:10]} have no leader", "bring their replicas back"))
-        under = [p for p, pm in t.partitions.items() if pm.leader >= 0 and set(pm.isrs) != set(pm.replicas)]
-        if under:
-            findings.append(Finding(WARNING, "under-replicated", name,
-                                    f"partitions {under[:10]} have fewer in-sync replicas than replicas",
-                                    "check the lagging brokers"))
-        findings += _topic_findings(admin, name, live, timeout)
-    return findings if include_ok else [f for f in findings if f.severity != OK]
+    return findings

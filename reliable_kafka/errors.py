@@ -20,6 +20,9 @@ errors by what the caller does next, so one `except` clause can handle a whole b
     │   ├── ReadIncomplete             a Spark read task could not read its whole range
     │   └── OutboxFull                 (also OutboxError) the outbox stayed full for the send timeout
     ├── RefusedByKafka                 Kafka refused the work for good, or stopped this instance
+    │   ├── AuthorizationFailed        the principal lacks an ACL (the message names it and the fix)
+    │   │   ├── TopicAuthorizationFailed    an operation on a topic is not allowed
+    │   │   └── ClusterAuthorizationFailed  an operation on the cluster is not allowed
     │   ├── DeliveryFailed             a message was refused; it is kept in the outbox as failed
     │   ├── TransactionFenced          another instance took over the transactional.id
     │   └── TransactionFailed          a fatal transactional error, or no recovery in time
@@ -77,6 +80,38 @@ class Unavailable(ReliableKafkaError):
 class RefusedByKafka(ReliableKafkaError):
     """Kafka refused the work for good, or stopped this instance: the same call will not succeed again.
     The message carries Kafka's reason (and `code` its error name, where Kafka gave one)."""
+
+
+class AuthorizationFailed(RefusedByKafka):
+    """The client's principal is not allowed an operation: an ACL is missing. Never reported as a
+    missing topic or an unreachable cluster; the message names the operation and the grant."""
+
+
+class TopicAuthorizationFailed(AuthorizationFailed):
+    """The principal may not perform `operation` on `topic` (Kafka's TOPIC_AUTHORIZATION_FAILED)."""
+
+    def __init__(self, topic: str, operation: str) -> None:
+        self.operation = operation
+        super().__init__(
+            f"not authorized to {operation} topic {topic!r} (TOPIC_AUTHORIZATION_FAILED): the topic may well "
+            f"exist. Grant the principal this client authenticates as (its sasl.username) {operation} and "
+            f"Write on it, e.g. kafka-acls.sh --bootstrap-server <brokers> --add --allow-principal User:<name> "
+            f"--operation {operation} --operation Write --topic {topic}",
+            code="TOPIC_AUTHORIZATION_FAILED", topic=topic,
+        )
+
+
+class ClusterAuthorizationFailed(AuthorizationFailed):
+    """The principal may not perform `operation` on the cluster resource (CLUSTER_AUTHORIZATION_FAILED)."""
+
+    def __init__(self, operation: str) -> None:
+        self.operation = operation
+        super().__init__(
+            f"not authorized to {operation} on the cluster (CLUSTER_AUTHORIZATION_FAILED): grant it, e.g. "
+            f"kafka-acls.sh --bootstrap-server <brokers> --add --allow-principal User:<name> "
+            f"--operation {operation} --cluster",
+            code="CLUSTER_AUTHORIZATION_FAILED",
+        )
 
 
 class ConfigError(InputRefused, ValueError):

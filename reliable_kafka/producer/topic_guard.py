@@ -14,7 +14,7 @@ from typing import Any
 
 from reliable_kafka.admin import TopicDurability, admin_client, describe_topic, preflight
 from reliable_kafka.config import connection_settings
-from reliable_kafka.errors import ClusterUnreachable, TopicConfigError, TopicMissing
+from reliable_kafka.errors import ClusterUnreachable, TopicAuthorizationFailed, TopicConfigError, TopicMissing
 from reliable_kafka.spool import OutboxRow
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class TopicGuard:
             self._deferred[topic] = time.monotonic()
             self.seen.add(topic)
             return
-        except TopicConfigError as exc:
+        except (TopicConfigError, TopicAuthorizationFailed) as exc:
             if not deferred:
                 raise
             # Messages were accepted while the check could not run; they stay and are sent, loudly.
@@ -174,7 +174,7 @@ class TopicGuard:
     def _relearn_limit(self, topic: str) -> bool:
         try:
             described = describe_topic(self.admin(), topic, timeout=5)
-        except ClusterUnreachable:
+        except (ClusterUnreachable, TopicAuthorizationFailed):
             return False
         if described is None:
             return False

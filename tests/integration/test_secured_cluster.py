@@ -4,13 +4,23 @@ writes nothing, and the same principal produces once it is granted Describe and 
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AclBinding, AclOperation, AclPermissionType, ResourcePatternType, ResourceType
+from confluent_kafka.admin import (
+    AclBinding,
+    AclOperation,
+    AclPermissionType,
+    AdminClient,
+    ResourcePatternType,
+    ResourceType,
+)
 
+from reliable_kafka import ReliableProducer, TopicAuthorizationFailed, TopicMissing
+from reliable_kafka.doctor import diagnose
 from reliable_kafka.testing import LocalKafkaCluster
 from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS, consume_all
 from tests.fixtures.kafka import _require_kafka
@@ -86,3 +96,38 @@ def test_a_principal_without_acls_is_denied_until_granted_describe_and_write(sec
     assert outcome is None, outcome
     got = [m.value() for m in consume_all(secured.bootstrap_servers, topic, config=secured.client_config())]
     assert b"granted" in got and b"denied" not in got
+
+
+def test_a_topic_the_principal_may_not_describe_is_refused_as_denied_naming_the_grant_not_as_missing(
+    secured: LocalKafkaCluster, tmp_path
+) -> None:
+    topic = f"s-{uuid.uuid4().hex[:8]}"
+    secured.create_topic(topic, 1, 1)
+    with (ReliableProducer(secured.client_config(ALICE), outbox_path=tmp_path / "o.db") as producer,
+          pytest.raises(TopicAuthorizationFailed) as denied):
+        producer.send(topic, b"never accepted")
+    assert denied.value.topic == topic and denied.value.operation == "Describe"
+    assert "kafka-acls" in str(denied.value) and "--operation Describe" in str(denied.value)
+    assert not isinstance(denied.value, TopicMissing)
+
+
+def test_doctor_as_a_principal_that_may_not_describe_a_topic_warns_instead_of_failing(
+    secured: LocalKafkaCluster,
+) -> None:
+    topic = f"s-{uuid.uuid4().hex[:8]}"
+    secured.create_topic(topic, 1, 1)
+    grants = [AclBinding(ResourceType.TOPIC, topic, ResourcePatternType.LITERAL, f"User:{ALICE}", "*",
+                         AclOperation.DESCRIBE, AclPermissionType.ALLOW)]
+    for future in secured.admin().create_acls(grants).values():
+        future.result(timeout=30)
+    admin = AdminClient(secured.client_config(ALICE))
+    deadline = time.monotonic() + 30  # the ACL reaches the broker through the metadata log
+    while topic not in admin.list_topics(timeout=10).topics and time.monotonic() < deadline:
+        time.sleep(0.2)
+    report = diagnose(admin)
+    findings = [f for f in report if f.subject == topic]
+    assert [(f.severity, f.check) for f in findings] == [("warning", "authorization")], findings
+    assert "DescribeConfigs" in findings[0].detail
+    # The broker settings need DescribeConfigs on the cluster: not checked, said so, never "unreachable".
+    brokers = [f for f in report if f.subject.startswith("broker ")]
+    assert [(f.severity, f.check) for f in brokers] == [("warning", "authorization")], brokers
