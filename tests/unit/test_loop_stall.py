@@ -34,21 +34,18 @@ def test_a_blocking_call_on_the_loop_is_measured_and_a_free_loop_is_not() -> Non
     assert until_the_end >= 0.25, until_the_end
 
 
-# A loop whose process gets almost no CPU: pinned to one core beside two busy processes, at SCHED_IDLE.
-_STARVED = """
-import asyncio, json, os, subprocess, sys
+# A loop whose process gets almost no CPU: pinned to one core beside two busy processes. `body` sets up
+# the starvation of its part and defines `main()`, a coroutine that returns its probe.
+_STARVED_CORE = """
+import asyncio, json, os, subprocess, sys, threading
 from reliable_kafka.testing.loop_stall import LoopStallProbe
-os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})
 spin = "import time\\nend = time.monotonic() + 10\\nwhile time.monotonic() < end: pass"
 busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
 try:
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    async def main():
-        with LoopStallProbe(0.002, discount_cpu_waits=True) as probe:
-            await asyncio.sleep(1.0)
-        return probe
+{body}
     probe = asyncio.run(main())
-    print(json.dumps({"raw": probe.worst_raw_s, "ours": probe.worst_s, "cpu_wait": probe.cpu_wait_s}))
+    print(json.dumps({{"raw": probe.worst_raw_s, "ours": probe.worst_s, "cpu_wait": probe.cpu_wait_s}}))
 finally:
     for b in busy:
         b.kill()
@@ -56,12 +53,28 @@ finally:
 """
 
 
+def _starved(body: str) -> dict[str, float]:
+    """Run `body` on the starved core in a child process; its probe's raw and discounted worst stall."""
+    script = _STARVED_CORE.format(body=body)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+# The loop's whole process at SCHED_IDLE.
+_LOOP_STARVED = """
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    async def main():
+        with LoopStallProbe(0.002, discount_cpu_waits=True) as probe:
+            await asyncio.sleep(1.0)
+        return probe
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU-wait discount reads Linux's schedstat")
 def test_a_wait_for_a_cpu_is_discounted_and_a_blocking_call_is_not() -> None:
     # Starved of CPU, the loop's wake-ups come late although nothing on it blocks: the raw overshoot
     # shows it, the discounted one does not.
-    done = subprocess.run([sys.executable, "-c", _STARVED], capture_output=True, text=True, timeout=60, check=True)
-    starved = json.loads(done.stdout)
+    starved = _starved(_LOOP_STARVED)
     assert starved["raw"] >= 0.05, starved
     assert starved["ours"] < starved["raw"] / 4, starved
     assert starved["cpu_wait"] >= 0.1, starved
@@ -79,18 +92,12 @@ def test_a_wait_for_a_cpu_is_discounted_and_a_blocking_call_is_not() -> None:
 
 # The same starved core, but the loop's thread runs at normal priority and a second Python thread of
 # its process spins at SCHED_IDLE: whenever it is descheduled holding the GIL, the loop waits for it.
-_GIL_HOLDER = """
-import asyncio, json, os, subprocess, sys, threading
-from reliable_kafka.testing.loop_stall import LoopStallProbe
-os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-spin = "import time\\nend = time.monotonic() + 10\\nwhile time.monotonic() < end: pass"
-busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
-stop = threading.Event()
-def holder():
-    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
-    while not stop.is_set():
-        pass  # pure Python: it holds the GIL whenever it runs
-try:
+_GIL_HOLDER_STARVED = """
+    stop = threading.Event()
+    def holder():
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
+        while not stop.is_set():
+            pass  # pure Python: it holds the GIL whenever it runs
     async def main():
         with LoopStallProbe(0.002, discount_cpu_waits=True) as probe:
             t = threading.Thread(target=holder)
@@ -99,19 +106,11 @@ try:
             stop.set()
         t.join()
         return probe
-    probe = asyncio.run(main())
-    print(json.dumps({"raw": probe.worst_raw_s, "ours": probe.worst_s, "cpu_wait": probe.cpu_wait_s}))
-finally:
-    for b in busy:
-        b.kill()
-        b.wait()
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU-wait discount reads Linux's schedstat")
 def test_a_gil_holder_waiting_for_a_cpu_is_discounted() -> None:
-    done = subprocess.run([sys.executable, "-c", _GIL_HOLDER], capture_output=True, text=True, timeout=60,
-                          check=True)
-    starved = json.loads(done.stdout)
+    starved = _starved(_GIL_HOLDER_STARVED)
     assert starved["raw"] >= 0.05, starved
     assert starved["ours"] < starved["raw"] / 4, starved
