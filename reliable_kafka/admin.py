@@ -47,12 +47,7 @@ class TopicDurability:
 
     def problems(self) -> list[str]:
         """Why an acknowledged write could still be lost on this topic (empty when it cannot)."""
-        found = []
-        if self.replication_factor < MIN_REPLICATION_FACTOR:
-            found.append(
-                f"replication factor {self.replication_factor} < {MIN_REPLICATION_FACTOR}: "
-                "one broker failure leaves no spare copy"
-            )
+        found = _replication_problems(self.replication_factor)
         if self.min_insync_replicas < MIN_INSYNC_REPLICAS:
             found.append(
                 f"min.insync.replicas={self.min_insync_replicas} < {MIN_INSYNC_REPLICAS}: "
@@ -66,6 +61,13 @@ class TopicDurability:
         return found
 
 
+def _replication_problems(replication_factor: int) -> list[str]:
+    if replication_factor < MIN_REPLICATION_FACTOR:
+        return [f"replication factor {replication_factor} < {MIN_REPLICATION_FACTOR}: "
+                "one broker failure leaves no spare copy"]
+    return []
+
+
 def admin_client(bootstrap_servers: str, extra: Mapping[str, Any] | None = None) -> AdminClient:
     conf: dict[str, Any] = {"bootstrap.servers": bootstrap_servers, "socket.timeout.ms": 10_000,
                             "logger": _rdkafka_log}
@@ -76,8 +78,27 @@ def admin_client(bootstrap_servers: str, extra: Mapping[str, Any] | None = None)
 def describe_topic(admin: AdminClient, topic: str, timeout: float = 10.0) -> TopicDurability | None:
     """The durability settings of a topic, or None if it does not exist.
 
-    Raises ClusterUnreachable when no broker answers within `timeout`.
+    Raises ClusterUnreachable when no broker answers within `timeout`, TopicAuthorizationFailed when the
+    principal may not Describe the topic or read its configuration (DescribeConfigs).
     """
+    replication = _replication(admin, topic, timeout)
+    if replication is None:
+        return None
+    partitions, rf = replication
+    configs = topic_configs(admin, topic, timeout)
+    return TopicDurability(
+        topic=topic,
+        partitions=partitions,
+        replication_factor=rf,
+        min_insync_replicas=int(configs.get("min.insync.replicas", "1")),
+        unclean_leader_election=configs.get("unclean.leader.election.enable", "false").lower() == "true",
+        max_message_bytes=int(configs.get("max.message.bytes", "1048588")),
+    )
+
+
+def _replication(admin: AdminClient, topic: str, timeout: float) -> tuple[int, int] | None:
+    """(partitions, lowest replication factor) from the metadata, which Describe alone may read; None
+    if the topic does not exist."""
     try:
         md = admin.list_topics(topic, timeout=timeout)
     except KafkaException as exc:
@@ -88,16 +109,7 @@ def describe_topic(admin: AdminClient, topic: str, timeout: float = 10.0) -> Top
         raise TopicAuthorizationFailed(topic, "Describe")
     if t is None or t.error is not None or not t.partitions:
         return None
-    rf = min(len(p.replicas) for p in t.partitions.values())
-    configs = topic_configs(admin, topic, timeout)
-    return TopicDurability(
-        topic=topic,
-        partitions=len(t.partitions),
-        replication_factor=rf,
-        min_insync_replicas=int(configs.get("min.insync.replicas", "1")),
-        unclean_leader_election=configs.get("unclean.leader.election.enable", "false").lower() == "true",
-        max_message_bytes=int(configs.get("max.message.bytes", "1048588")),
-    )
+    return len(t.partitions), min(len(p.replicas) for p in t.partitions.values())
 
 
 def topic_configs(admin: AdminClient, topic: str, timeout: float = 10.0) -> dict[str, str]:
@@ -134,15 +146,26 @@ def preflight(admin: AdminClient, topic: str, *, mode: str = "error", timeout: f
 
     mode "error" raises TopicConfigError, "warn" logs a warning, "off" only describes the topic.
     A topic that does not exist yet returns None: the producer's delivery report will say so.
+    A principal that may Describe the topic but not read its configuration (a producer granted
+    Describe and Write, as `kafka-acls --producer` does) gets the replication factor checked and a
+    warning that the rest was not; None is returned (the size limit is learnt from the broker).
     """
     if mode not in ("error", "warn", "off"):
         raise ValueError(f"preflight must be 'error', 'warn' or 'off', not {mode!r}")
     try:
         durability = describe_topic(admin, topic, timeout)
-    except TopicAuthorizationFailed:
+    except TopicAuthorizationFailed as exc:
         if mode == "off":  # "off" describes what it may, and checks nothing
             return None
-        raise
+        if exc.operation != "DescribeConfigs":
+            raise
+        replication = _replication(admin, topic, timeout)
+        problems = _replication_problems(replication[1]) if replication is not None else []
+        if problems and mode == "error":
+            raise TopicConfigError(topic, problems) from exc
+        log.warning("topic %r: min.insync.replicas and unclean.leader.election.enable were not checked "
+                    "(%s)%s", topic, exc, "; " + "; ".join(problems) if problems else "")
+        return None
     if durability is None:
         return None
     problems = durability.problems()

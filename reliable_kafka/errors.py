@@ -92,11 +92,13 @@ class TopicAuthorizationFailed(AuthorizationFailed):
 
     def __init__(self, topic: str, operation: str) -> None:
         self.operation = operation
+        # A client that writes needs Describe (metadata) and Write: name both whichever was refused.
+        grants = ["Describe", operation] if operation in ("Read", "Write") else [operation, "Write"]
         super().__init__(
             f"not authorized to {operation} topic {topic!r} (TOPIC_AUTHORIZATION_FAILED): the topic may well "
-            f"exist. Grant the principal this client authenticates as (its sasl.username) {operation} and "
-            f"Write on it, e.g. kafka-acls.sh --bootstrap-server <brokers> --add --allow-principal User:<name> "
-            f"--operation {operation} --operation Write --topic {topic}",
+            f"exist. Grant the principal this client authenticates as (its sasl.username) "
+            f"{' and '.join(grants)} on it, e.g. kafka-acls.sh --bootstrap-server <brokers> --add "
+            f"--allow-principal User:<name> {' '.join('--operation ' + g for g in grants)} --topic {topic}",
             code="TOPIC_AUTHORIZATION_FAILED", topic=topic,
         )
 

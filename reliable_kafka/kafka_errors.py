@@ -22,6 +22,9 @@ class Disposition(enum.Enum):
     ABORTABLE = "abortable"  # the current transaction must be aborted, then work can go on
     REBALANCE = "rebalance"  # group membership moved on: drop staged offsets of revoked partitions
     COORDINATOR = "coordinator"  # the group/txn coordinator moved or is loading: retry
+    # The principal lacks a permission (an ACL). Not the message's fault and not for good: an operator
+    # grants it and the same request succeeds. Keep the work waiting (backing off), say what is missing.
+    AUTHORIZATION = "authorization"
 
 
 # Refused for good by the broker or by librdkafka before sending.
@@ -31,8 +34,6 @@ _PERMANENT_CODES = {
     KafkaError.INVALID_MSG,
     KafkaError.RECORD_LIST_TOO_LARGE,
     KafkaError.INVALID_REQUIRED_ACKS,
-    KafkaError.TOPIC_AUTHORIZATION_FAILED,
-    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
     KafkaError.TOPIC_EXCEPTION,
     KafkaError.INVALID_TIMESTAMP,
     KafkaError.UNSUPPORTED_FOR_MESSAGE_FORMAT,
@@ -52,6 +53,15 @@ _FATAL_CODES = {
     KafkaError.INVALID_PRODUCER_ID_MAPPING,
     KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED,
     KafkaError._FATAL,
+}
+
+# Refused for want of an ACL. TRANSACTIONAL_ID_AUTHORIZATION_FAILED stays in _FATAL_CODES: librdkafka
+# makes it fatal to the transactional producer, which must stop and be restarted once granted.
+_AUTHORIZATION_CODES = {
+    KafkaError.TOPIC_AUTHORIZATION_FAILED,
+    KafkaError.GROUP_AUTHORIZATION_FAILED,
+    KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    KafkaError.DELEGATION_TOKEN_AUTHORIZATION_FAILED,
 }
 
 _REBALANCE_CODES = {
@@ -100,6 +110,8 @@ def classify(error: KafkaError | KafkaException | int) -> Disposition:
         return Disposition.COORDINATOR
     if code in _PERMANENT_CODES:
         return Disposition.PERMANENT
+    if code in _AUTHORIZATION_CODES:
+        return Disposition.AUTHORIZATION
     # Everything else (timeouts, leader moves, transport, _MSG_TIMED_OUT with an unknown outcome,
     # NOT_ENOUGH_REPLICAS) is worth another try: a spooled message is re-sent, never dropped.
     return Disposition.RETRIABLE
@@ -178,6 +190,12 @@ def epoch_bumped(error: KafkaError | KafkaException | int) -> bool:
     if code == KafkaError.INVALID_PRODUCER_EPOCH:
         return True
     return code == KafkaError._FENCED and isinstance(err, KafkaError) and _OLD_EPOCH_TEXT in err.str()
+
+
+def not_authorized(error: KafkaError | KafkaException | int) -> bool:
+    """True when the principal lacks a permission, whether librdkafka made the error fatal or not (an
+    idempotent producer refused a producer id: CLUSTER_AUTHORIZATION_FAILED, fatal)."""
+    return code_of(error) in _AUTHORIZATION_CODES
 
 
 def outcome_unknown(error: KafkaError | KafkaException | int) -> bool:

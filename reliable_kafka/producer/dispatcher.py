@@ -2,6 +2,7 @@
 
 A message leaves the spool only on a delivery report of success; a retriable failure sends it again,
 a permanent one marks it failed, and a fatal idempotence error rebuilds the producer and re-sends the spool.
+A refusal for want of a permission (an ACL) keeps the message pending until it is granted (see holds.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any, TypeVar
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from reliable_kafka import telemetry
+from reliable_kafka.errors import ClusterAuthorizationFailed, TopicAuthorizationFailed
 from reliable_kafka.ids import ID_HEADER
-from reliable_kafka.kafka_errors import Disposition, classify, describe
+from reliable_kafka.kafka_errors import Disposition, classify, describe, not_authorized
+from reliable_kafka.producer.holds import FIRST_WAIT_S, MAX_WAIT_S, AuthorizationHolds
 from reliable_kafka.producer.topic_guard import TopicGuard
 from reliable_kafka.spool import NewMessage, OutboxRow, Spool
 from reliable_kafka.stats import Counters
@@ -68,6 +71,12 @@ class Dispatcher:
         self._fatal: KafkaError | None = None
         self._delivered: list[int] = []  # filled by delivery callbacks on the poller thread
         self._size_refused: list[tuple[int, str, str]] = []  # (seq, topic, reason): for the guard, off the callback
+        self._denied: list[tuple[int, str]] = []  # (seq, topic) refused for want of an ACL, off the callback
+        self._holds = AuthorizationHolds()
+        # A producer rebuilt after its producer id was refused for want of an ACL is refused again at once:
+        # the next rebuild waits this long (doubling), and the reason is logged once per streak.
+        self._rebuild_wait_s = 0.0
+        self._rebuild_at = 0.0
         self._listener: DeliveryListener | None = None
         # Seqs marked failed since the last poll round, for the listener only. A deque: _fail() runs on
         # the poller and on send()'s threads (a refusal at produce()), and append/popleft are atomic.
@@ -153,7 +162,7 @@ class Dispatcher:
             # Hand over now only when no older row waits (order first) and librdkafka has room;
             # otherwise the poller hands them over from the spool, after the older ones.
             if (self._dispatched_upto == seqs[0] - 1 and not self._redeliver and self._fatal is None
-                    and len(self._producer) < self._max_in_flight):
+                    and not self._holds and len(self._producer) < self._max_in_flight):
                 # The common case inline (no per-message method call: this loop is most of send's cost);
                 # anything unusual, and every exception, takes the general path of _produce().
                 produce, partial, report = self._producer.produce, functools.partial, self._report
@@ -202,6 +211,8 @@ class Dispatcher:
     def _produce(self, row: NewMessage | OutboxRow, seq: int) -> bool | str:
         """True when librdkafka took it, False when its queue is full, a reason when refused for good."""
         topic, value, key = row.topic, row.value, row.key
+        if self._holds and self._holds.takes(topic, seq):
+            return True  # its topic waits for a grant: it goes after the probe gets through, in order
         limit = self._limits.get(topic)
         if limit is not None and len(value or b"") + len(key or b"") + 4096 > limit:
             oversized = self._guard.too_large(topic, value, key, row.headers)
@@ -228,6 +239,10 @@ class Dispatcher:
             if disposition is Disposition.FATAL:
                 self._fatal = exc.args[0]
                 return False
+            if disposition is Disposition.AUTHORIZATION:
+                # librdkafka knows the topic is denied (its metadata said so) and refuses at once.
+                self._hold(seq, topic)
+                return True
             log.warning("produce of seq %d refused for now (%s); it will be retried", seq, reason)
             self._redeliver.append(seq)
             return True
@@ -278,6 +293,8 @@ class Dispatcher:
             self._fail(seq, describe(err))
         elif disposition is Disposition.FATAL:
             self._fatal = err
+        elif disposition is Disposition.AUTHORIZATION:
+            self._denied.append((seq, topic))  # held after poll() returns: it writes to the spool and logs
         else:
             # Unknown outcome (e.g. _MSG_TIMED_OUT): send again; the rk-id makes a duplicate recognisable.
             self._retry(seq, describe(err))
@@ -290,6 +307,32 @@ class Dispatcher:
                 self._fail(seq, reason)
             else:
                 self._retry(seq, reason)  # it fits alone: it shared a batch with an oversized record
+
+    def _hold(self, seq: int, topic: str) -> None:
+        """Keep `seq` pending while the principal may not write `topic`; say so once per hold."""
+        self._spool.record_attempt([seq], "TOPIC_AUTHORIZATION_FAILED: waiting for Write on the topic")
+        if self._holds.refused(topic, seq):
+            log.error("%s. Messages to it stay pending in the outbox and go out once it is granted "
+                      "(checked every %.0f-%.0f s); other topics are not held up",
+                      TopicAuthorizationFailed(topic, "Write"), FIRST_WAIT_S, MAX_WAIT_S)
+
+    def _settle_holds(self) -> None:
+        """Poller: hold what was refused for want of an ACL, send due probes, release holds whose probe
+        went through (delivered, or settled some other way: then the rest is tried on its own merits)."""
+        if not self._denied and not self._holds:
+            return
+        with self._send_lock:
+            denied, self._denied = self._denied, []
+            for seq, topic in denied:
+                self._hold(seq, topic)
+            for topic, probe in self._holds.probing().items():
+                row = self._spool.get(probe)
+                if row is None or row.state != "pending":  # delivered (or failed for another reason)
+                    released = self._holds.release(topic)
+                    log.warning("topic %r is writable now; sending the %d messages held for it",
+                                topic, len(released))
+                    self._redeliver.extend(released)
+            self._redeliver.extend(self._holds.due_probes())
 
     def _retry(self, seq: int, reason: str) -> None:
         self.counters.add("retried")
@@ -322,6 +365,7 @@ class Dispatcher:
         if self._delivered:
             done, self._delivered = self._delivered, []
             self._last_progress = time.monotonic()
+            self._rebuild_wait_s = 0.0  # a producer id was granted (see _recreate)
             self._spool.mark_delivered(done)
             # Once per poll round (the callbacks only append seqs), so the lock costs nothing per report:
             # timeit of the delivery-report path, 1M reports in rounds of 1,000: 80 ns a report with a
@@ -345,12 +389,16 @@ class Dispatcher:
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self._producer.poll(0.05)
+                if self._fatal is not None and time.monotonic() < self._rebuild_at:
+                    self._stop.wait(0.05)  # see _recreate: a refused producer id waits for its grant
+                    continue
+                self._poll()
                 self._apply_reports()
                 if not len(self._producer):
                     self._last_progress = time.monotonic()  # nothing in flight is not a stall
                 if self._fatal is not None:
                     self._recreate()
+                self._settle_holds()
                 self._dispatch_backlog()
                 self._guard.retry_deferred()
                 with self._settled:
@@ -361,6 +409,16 @@ class Dispatcher:
         # Final reports: everything librdkafka has confirmed by now is removed from the spool.
         self._producer.poll(0)
         self._apply_reports()
+
+    def _poll(self) -> None:
+        try:
+            self._producer.poll(0.05)
+        except KafkaException as exc:
+            # A client in its fatal state raises its fatal error from poll() (its error_cb saw it too).
+            if classify(exc) is not Disposition.FATAL:
+                raise
+            if self._fatal is None:
+                self._fatal = exc.args[0]
 
     def _recreate(self) -> None:
         """Rebuild the librdkafka producer after a fatal error and re-send the spool in order (L5)."""
@@ -380,6 +438,17 @@ class Dispatcher:
             self._dispatched_upto = 0
             self._last_seq = max(self._last_seq, self._max_pending_seq())
             self.counters.add("recreated")
+            if reason is not None and not_authorized(reason):
+                # The idempotent producer could not get a producer id: the principal needs IdempotentWrite
+                # on the cluster, or (brokers >= 3.0, KIP-679) Write on any topic. The new producer is
+                # refused again until an operator grants it, so the next rebuild waits, longer each time.
+                if not self._rebuild_wait_s:
+                    log.error("%s (or, with brokers 3.0 and later, Write on the topics it sends to); messages "
+                              "stay pending in the outbox until it is granted (%s)",
+                              ClusterAuthorizationFailed("IdempotentWrite"), describe(reason))
+                self._rebuild_wait_s = min(MAX_WAIT_S, max(FIRST_WAIT_S, self._rebuild_wait_s * 2))
+                self._rebuild_at = time.monotonic() + self._rebuild_wait_s
+                return
             log.warning("idempotent producer hit a fatal error (%s); recreated it and re-sending the outbox",
                         describe(reason) if reason is not None else "unknown")
 

@@ -4,6 +4,7 @@ writes nothing, and the same principal produces once it is granted Describe and 
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from reliable_kafka import ReliableProducer, TopicAuthorizationFailed, TopicMissing
+from reliable_kafka import ReliableProducer, TopicAuthorizationFailed, TopicConfigError, TopicMissing
 from reliable_kafka.doctor import diagnose
 from reliable_kafka.testing import LocalKafkaCluster
 from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS, consume_all
@@ -28,6 +29,7 @@ from tests.fixtures.kafka import _require_kafka
 pytestmark = pytest.mark.cluster
 
 ALICE = "alice-" + uuid.uuid4().hex[:6]
+BOB = "bob-" + uuid.uuid4().hex[:6]  # granted Write nowhere until the producer-id test does
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def secured() -> Iterator[LocalKafkaCluster]:
     """One node is enough: authentication and authorization happen on every broker alike."""
     _require_kafka()
     cluster = LocalKafkaCluster(brokers=1, jvm_options=QUICK_START_JVM_OPTIONS, security="sasl-plain",
-                                users={ALICE: uuid.uuid4().hex})
+                                users={ALICE: uuid.uuid4().hex, BOB: uuid.uuid4().hex})
     cluster.start()
     try:
         cluster.wait_healthy()
@@ -131,3 +133,98 @@ def test_doctor_as_a_principal_that_may_not_describe_a_topic_warns_instead_of_fa
     # The broker settings need DescribeConfigs on the cluster: not checked, said so, never "unreachable".
     brokers = [f for f in report if f.subject.startswith("broker ")]
     assert [(f.severity, f.check) for f in brokers] == [("warning", "authorization")], brokers
+
+
+def _grant(cluster: LocalKafkaCluster, user: str, topic: str, *ops: AclOperation) -> None:
+    bindings = [AclBinding(ResourceType.TOPIC, topic, ResourcePatternType.LITERAL, f"User:{user}", "*", op,
+                           AclPermissionType.ALLOW) for op in ops]
+    for future in cluster.admin().create_acls(bindings).values():
+        future.result(timeout=30)
+
+
+def _wait_for(condition, what: str, timeout: float = 60) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_messages_to_a_topic_the_principal_may_not_write_stay_pending_until_granted_then_all_arrive(
+    secured: LocalKafkaCluster, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Write on one topic (so the idempotent producer gets its producer id), Describe only on the other:
+    the second topic's messages are held, pending, while the first one's flow; granted, all arrive."""
+    allowed, denied = f"s-{uuid.uuid4().hex[:8]}", f"s-{uuid.uuid4().hex[:8]}"
+    for topic in (allowed, denied):
+        secured.create_topic(topic, 1, 1)
+    _grant(secured, ALICE, allowed, AclOperation.DESCRIBE, AclOperation.WRITE)
+    _grant(secured, ALICE, denied, AclOperation.DESCRIBE)
+    alice = secured.client_config(ALICE)
+    caplog.set_level(logging.INFO, logger="reliable_kafka.producer")
+    # The control: a bare idempotent producer, same principal and settings, loses what it sent there.
+    control = _send_one(alice, denied, b"control")
+    assert control is not None and control.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED, control
+
+    held = [f"held-{i}".encode() for i in range(200)]
+    flowing = [f"flowing-{i}".encode() for i in range(200)]
+    # preflight "warn": a one-node cluster cannot hold the replication factor the check asks for.
+    with ReliableProducer(alice, outbox_path=tmp_path / "o.db", preflight="warn") as producer:
+        sent_held = producer.send_many([(denied, v) for v in held[:100]])
+        producer.send_many([(allowed, v) for v in flowing])
+        # Gate: Kafka has refused the held topic's messages (the outbox records why) ...
+        _wait_for(lambda: "TOPIC_AUTHORIZATION_FAILED" in (producer.reason(sent_held[0]) or ""), "the refusal")
+        producer.send_many([(denied, v) for v in held[100:]])
+        # ... and the other topic went on meanwhile: everything sent to it is confirmed.
+        _wait_for(lambda: producer.pending == len(held), "the allowed topic's messages")
+        assert producer.stats().failed == 0 and producer.failed() == []
+        _grant(secured, ALICE, denied, AclOperation.WRITE)
+        assert producer.flush(90) == 0
+        assert producer.stats().failed == 0
+    assert f"not authorized to Write topic {denied!r}" in caplog.text and "kafka-acls" in caplog.text
+    admin = secured.client_config()
+    got_held = [m.value() for m in consume_all(secured.bootstrap_servers, denied, config=admin)]
+    got_flowing = [m.value() for m in consume_all(secured.bootstrap_servers, allowed, config=admin)]
+    assert got_held == held, (len(got_held), len(set(got_held)))  # none lost, none twice, in order
+    assert got_flowing == flowing
+
+
+def test_an_idempotent_producer_refused_its_producer_id_keeps_messages_pending_until_write_is_granted(
+    secured: LocalKafkaCluster, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No Write anywhere: the broker refuses the idempotent producer id (CLUSTER_AUTHORIZATION_FAILED,
+    fatal to that client). The outbox keeps every message; granted Write (KIP-679), they all arrive."""
+    topic = f"s-{uuid.uuid4().hex[:8]}"
+    secured.create_topic(topic, 1, 1)
+    _grant(secured, BOB, topic, AclOperation.DESCRIBE)
+    conf = secured.client_config(BOB)
+    caplog.set_level(logging.INFO, logger="reliable_kafka.producer")
+    values = [f"v-{i}".encode() for i in range(300)]
+    with ReliableProducer(conf, outbox_path=tmp_path / "o.db", preflight="warn") as producer:
+        producer.send_many([(topic, v) for v in values])
+        # Gate: the producer id was refused and the producer rebuilt at least once.
+        _wait_for(lambda: producer.stats().recreated >= 1, "the refused producer id")
+        assert producer.pending == len(values) and producer.stats().failed == 0
+        _grant(secured, BOB, topic, AclOperation.WRITE)
+        assert producer.flush(120) == 0
+        assert producer.stats().failed == 0
+    assert "IdempotentWrite" in caplog.text
+    got = [m.value() for m in consume_all(secured.bootstrap_servers, topic, config=secured.client_config())]
+    assert got == values
+
+
+def test_a_producer_principal_without_describe_configs_gets_the_replication_check_not_a_refusal(
+    secured: LocalKafkaCluster, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Describe and Write, as `kafka-acls --producer` grants: the topic's configuration is unreadable, so
+    the preflight checks what the metadata shows (replication factor) and says what it could not check."""
+    topic = f"s-{uuid.uuid4().hex[:8]}"
+    secured.create_topic(topic, 1, 1)
+    _grant(secured, ALICE, topic, AclOperation.DESCRIBE, AclOperation.WRITE)
+    with (ReliableProducer(secured.client_config(ALICE), outbox_path=tmp_path / "o.db") as producer,
+          pytest.raises(TopicConfigError, match="replication factor 1")):
+        producer.send(topic, b"refused: one replica")
+    caplog.set_level(logging.WARNING, logger="reliable_kafka")
+    with ReliableProducer(secured.client_config(ALICE), outbox_path=tmp_path / "w.db", preflight="warn") as producer:
+        assert producer.wait(producer.send(topic, b"sent"), 60) == "delivered"
+    assert "min.insync.replicas and unclean.leader.election.enable were not checked" in caplog.text
+    assert "DescribeConfigs" in caplog.text
