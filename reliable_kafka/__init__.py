@@ -15,6 +15,7 @@ from reliable_kafka.consumer import (
 )
 from reliable_kafka.dedup import ClaimResult, DedupStore, SQLiteDedupStore
 from reliable_kafka.errors import (
+    AuthenticationFailed,
     AuthorizationFailed,
     ClientClosed,
     ClusterAuthorizationFailed,
@@ -107,6 +108,7 @@ __all__ = [
     "OutboxFull",
     "OutboxLocked",
     "PartitionWriteFailed",
+    "AuthenticationFailed",
     "AuthorizationFailed",
     "ClientClosed",
     "ClusterAuthorizationFailed",

@@ -7,6 +7,7 @@ min.insync.replicas >= 2 and unclean leader election off (failure modes L1, L2).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
 from reliable_kafka.config import connection_settings
 from reliable_kafka.errors import (
+    AuthenticationFailed,
     ClusterAuthorizationFailed,
     ClusterUnreachable,
     ConfigError,
@@ -68,11 +70,37 @@ def _replication_problems(replication_factor: int) -> list[str]:
     return []
 
 
+class _Admin(AdminClient):
+    """An AdminClient that keeps the brokers' refusal of its login (its error_cb sees it; a request
+    that then gets no answer only says "transport failure"), so callers can say "credentials", not
+    "unreachable"."""
+
+    def __init__(self, conf: dict[str, Any]) -> None:
+        self.login_refused: str | None = None
+        self.username, self.mechanism = conf.get("sasl.username"), conf.get("sasl.mechanism")
+        conf["error_cb"] = self._on_error
+        super().__init__(conf)
+
+    def _on_error(self, err: KafkaError) -> None:
+        if err.code() == KafkaError._AUTHENTICATION:
+            self.login_refused = str(err.str())
+
+
 def admin_client(bootstrap_servers: str, extra: Mapping[str, Any] | None = None) -> AdminClient:
     conf: dict[str, Any] = {"bootstrap.servers": bootstrap_servers, "socket.timeout.ms": 10_000,
                             "logger": _rdkafka_log}
     conf.update(extra or {})
-    return AdminClient(conf)
+    return _Admin(conf)
+
+
+def no_answer(admin: AdminClient, what: str, exc: BaseException) -> AuthenticationFailed | ClusterUnreachable:
+    """The error for a request nobody answered: a refused login when the client saw one, else unreachable."""
+    if isinstance(admin, _Admin):
+        with contextlib.suppress(KafkaException, RuntimeError):
+            admin.poll(0)  # serves the error_cb with what the client saw meanwhile
+        if admin.login_refused is not None:
+            return AuthenticationFailed(admin.username, admin.mechanism, admin.login_refused)
+    return ClusterUnreachable(f"{what}: {exc}")
 
 
 def describe_topic(admin: AdminClient, topic: str, timeout: float = 10.0) -> TopicDurability | None:
@@ -102,7 +130,7 @@ def _replication(admin: AdminClient, topic: str, timeout: float) -> tuple[int, i
     try:
         md = admin.list_topics(topic, timeout=timeout)
     except KafkaException as exc:
-        raise ClusterUnreachable(f"no broker answered a metadata request within {timeout:.0f}s: {exc}") from exc
+        raise no_answer(admin, f"no broker answered a metadata request within {timeout:.0f}s", exc) from exc
     t = md.topics.get(topic)
     if t is not None and t.error is not None and t.error.code() == KafkaError.TOPIC_AUTHORIZATION_FAILED:
         # The broker hides a topic the principal may not describe: denied, not missing.
@@ -154,8 +182,12 @@ def preflight(admin: AdminClient, topic: str, *, mode: str = "error", timeout: f
         raise ValueError(f"preflight must be 'error', 'warn' or 'off', not {mode!r}")
     try:
         durability = describe_topic(admin, topic, timeout)
-    except TopicAuthorizationFailed as exc:
+    except AuthenticationFailed:
         if mode == "off":  # "off" describes what it may, and checks nothing
+            return None
+        raise
+    except TopicAuthorizationFailed as exc:
+        if mode == "off":
             return None
         if exc.operation != "DescribeConfigs":
             raise
@@ -199,7 +231,7 @@ def ensure_topic(config: Mapping[str, Any], topic: str, *, partitions: int = 3,
     try:
         brokers = len(admin.list_topics(timeout=timeout).brokers)
     except KafkaException as exc:
-        raise ClusterUnreachable(f"no broker answered a metadata request within {timeout:.0f}s: {exc}") from exc
+        raise no_answer(admin, f"no broker answered a metadata request within {timeout:.0f}s", exc) from exc
     rf = replication_factor if replication_factor is not None else min(MIN_REPLICATION_FACTOR, brokers)
     isr = min_insync_replicas if min_insync_replicas is not None else min(MIN_INSYNC_REPLICAS, rf)
     if not 1 <= isr <= rf <= brokers:

@@ -16,8 +16,9 @@ from reliable_kafka.admin import (
     MIN_REPLICATION_FACTOR,
     broker_configs,
     describe_topic,
+    no_answer,
 )
-from reliable_kafka.errors import ClusterAuthorizationFailed, ClusterUnreachable, TopicAuthorizationFailed
+from reliable_kafka.errors import ClusterAuthorizationFailed, TopicAuthorizationFailed
 
 CRITICAL, WARNING, OK = "critical", "warning", "ok"
 INTERNAL_TOPICS = {
@@ -88,11 +89,12 @@ def _topic_findings(admin: AdminClient, topic: str, live: int, timeout: float) -
 
 
 def diagnose(admin: AdminClient, *, timeout: float = 10.0, include_ok: bool = True) -> list[Finding]:
-    """Audit a cluster; raises ClusterUnreachable when no broker answers."""
+    """Audit a cluster; raises ClusterUnreachable when no broker answers, AuthenticationFailed when the
+    brokers refuse the login."""
     try:
         md = admin.list_topics(timeout=timeout)
     except Exception as exc:
-        raise ClusterUnreachable(f"no broker answered within {timeout:.0f}s: {exc}") from exc
+        raise no_answer(admin, f"no broker answered within {timeout:.0f}s", exc) from exc
     live = len(md.brokers)
     findings: list[Finding] = []
     findings.append(Finding(OK, "brokers", "cluster", f"{live} broker(s) registered", ""))

@@ -20,6 +20,7 @@ errors by what the caller does next, so one `except` clause can handle a whole b
     │   ├── ReadIncomplete             a Spark read task could not read its whole range
     │   └── OutboxFull                 (also OutboxError) the outbox stayed full for the send timeout
     ├── RefusedByKafka                 Kafka refused the work for good, or stopped this instance
+    │   ├── AuthenticationFailed       the brokers refused the credentials (SASL login)
     │   ├── AuthorizationFailed        the principal lacks an ACL (the message names it and the fix)
     │   │   ├── TopicAuthorizationFailed    an operation on a topic is not allowed
     │   │   └── ClusterAuthorizationFailed  an operation on the cluster is not allowed
@@ -80,6 +81,21 @@ class Unavailable(ReliableKafkaError):
 class RefusedByKafka(ReliableKafkaError):
     """Kafka refused the work for good, or stopped this instance: the same call will not succeed again.
     The message carries Kafka's reason (and `code` its error name, where Kafka gave one)."""
+
+
+class AuthenticationFailed(RefusedByKafka):
+    """The brokers refused this client's login (SASL): wrong credentials, or a mechanism they do not enable.
+    Never reported as an unreachable cluster. The message names the user and mechanism, never a secret."""
+
+    def __init__(self, username: str | None, mechanism: str | None, reason: str) -> None:
+        self.username = username
+        self.mechanism = mechanism
+        super().__init__(
+            f"the brokers refused to authenticate {username or '(no sasl.username)'!r} with SASL mechanism "
+            f"{mechanism or 'GSSAPI (the default)'} ({reason}): check sasl.username and sasl.password, and that "
+            "sasl.mechanism is one the listener enables (sasl.enabled.mechanisms on the brokers)",
+            code="_AUTHENTICATION",
+        )
 
 
 class AuthorizationFailed(RefusedByKafka):

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from reliable_kafka import telemetry
-from reliable_kafka.errors import ClusterAuthorizationFailed, TopicAuthorizationFailed
+from reliable_kafka.errors import AuthenticationFailed, ClusterAuthorizationFailed, TopicAuthorizationFailed
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.kafka_errors import Disposition, classify, describe, not_authorized
 from reliable_kafka.producer.holds import FIRST_WAIT_S, MAX_WAIT_S, AuthorizationHolds
@@ -77,6 +77,7 @@ class Dispatcher:
         # the next rebuild waits this long (doubling), and the reason is logged once per streak.
         self._rebuild_wait_s = 0.0
         self._rebuild_at = 0.0
+        self._login_refused = False  # said once until a delivery shows the login works again
         self._listener: DeliveryListener | None = None
         # Seqs marked failed since the last poll round, for the listener only. A deque: _fail() runs on
         # the poller and on send()'s threads (a refusal at produce()), and append/popleft are atomic.
@@ -366,6 +367,7 @@ class Dispatcher:
             done, self._delivered = self._delivered, []
             self._last_progress = time.monotonic()
             self._rebuild_wait_s = 0.0  # a producer id was granted (see _recreate)
+            self._login_refused = False
             self._spool.mark_delivered(done)
             # Once per poll round (the callbacks only append seqs), so the lock costs nothing per report:
             # timeit of the delivery-report path, 1M reports in rounds of 1,000: 80 ns a report with a
@@ -471,6 +473,12 @@ class Dispatcher:
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal():
             self._fatal = err
+        elif err.code() == KafkaError._AUTHENTICATION:
+            if not self._login_refused:
+                self._login_refused = True
+                log.error("%s; messages stay pending in the outbox until a login succeeds",
+                          AuthenticationFailed(self._config.get("sasl.username"),
+                                               self._config.get("sasl.mechanism"), str(err.str())))
         elif err.code() == KafkaError._ALL_BROKERS_DOWN:
             log.warning("all brokers are down; messages stay in the outbox until they are back")
         else:

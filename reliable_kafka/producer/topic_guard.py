@@ -14,7 +14,13 @@ from typing import Any
 
 from reliable_kafka.admin import TopicDurability, admin_client, describe_topic, preflight
 from reliable_kafka.config import connection_settings
-from reliable_kafka.errors import ClusterUnreachable, TopicAuthorizationFailed, TopicConfigError, TopicMissing
+from reliable_kafka.errors import (
+    AuthenticationFailed,
+    ClusterUnreachable,
+    TopicAuthorizationFailed,
+    TopicConfigError,
+    TopicMissing,
+)
 from reliable_kafka.spool import OutboxRow
 
 log = logging.getLogger(__name__)
@@ -75,6 +81,13 @@ class TopicGuard:
                 log.warning("preflight of topic %r deferred until a broker answers: %s", topic, exc)
             self._deferred[topic] = time.monotonic()
             self.seen.add(topic)
+            return
+        except AuthenticationFailed as exc:
+            if not deferred:
+                raise  # at send(): nothing accepted, the caller fixes its credentials
+            # Accepted while no broker answered: they stay pending; asked again, and said again, later.
+            log.error("preflight of topic %r: %s; its messages stay pending in the outbox", topic, exc)
+            self._deferred[topic] = time.monotonic()
             return
         except (TopicConfigError, TopicAuthorizationFailed) as exc:
             if not deferred:
@@ -174,7 +187,7 @@ class TopicGuard:
     def _relearn_limit(self, topic: str) -> bool:
         try:
             described = describe_topic(self.admin(), topic, timeout=5)
-        except (ClusterUnreachable, TopicAuthorizationFailed):
+        except (ClusterUnreachable, TopicAuthorizationFailed, AuthenticationFailed):
             return False
         if described is None:
             return False

@@ -27,7 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from confluent_kafka import KafkaException
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka.admin import (
+    AdminClient,
+    ConfigResource,
+    NewTopic,
+    ScramCredentialInfo,
+    ScramMechanism,
+    UserScramCredentialUpsertion,
+)
 
 from reliable_kafka.errors import ClusterError
 from reliable_kafka.retry import retry_kafka_call
@@ -67,8 +74,11 @@ _FAST_FAULT_SETTINGS: dict[str, Any] = {
 # off only in long, busy runs, so benchmarks keep the JVM's default.
 QUICK_START_JVM_OPTIONS: tuple[str, ...] = ("-XX:TieredStopAtLevel=1",)
 
-# What LocalKafkaCluster(security=...) can set up: None (open PLAINTEXT) or SASL/PLAIN with ACLs.
-_SECURITY = (None, "sasl-plain")
+# What LocalKafkaCluster(security=...) can set up: None (open PLAINTEXT), or SASL with ACLs: PLAIN
+# (passwords in the brokers' JAAS settings, fixed at start) or SCRAM-SHA-512 (salted credentials in the
+# cluster metadata: created at format time, more added while it runs, as production clusters do).
+_SECURITY = (None, "sasl-plain", "sasl-scram")
+_SASL_MECHANISM = {"sasl-plain": "PLAIN", "sasl-scram": "SCRAM-SHA-512"}
 
 _PR_SET_PDEATHSIG = 1
 
@@ -198,9 +208,10 @@ class LocalKafkaCluster:
     # Set for a cluster re-attached from a state file: every node (re)start is written back to it,
     # so `reliable-kafka cluster stop` finds the new pids too.
     state_path: Path | None = field(default=None, init=False)
-    # None: an open PLAINTEXT cluster. "sasl-plain": clients authenticate with SASL/PLAIN and are
-    # authorized by Kafka's StandardAuthorizer (no ACL, no access); the harness itself is the super
-    # user "admin". `users` adds principals ({name: password}) that start with no ACL at all.
+    # None: an open PLAINTEXT cluster. "sasl-plain" / "sasl-scram": clients authenticate with SASL
+    # (PLAIN or SCRAM-SHA-512) and are authorized by Kafka's StandardAuthorizer (no ACL, no access); the
+    # harness itself is the super user "admin". `users` adds principals ({name: password}) that start
+    # with no ACL at all (on "sasl-scram", add_user() adds more while the cluster runs).
     security: str | None = None
     users: Mapping[str, str] = field(default_factory=dict, repr=False)
     _admin_password: str = field(default_factory=lambda: secrets.token_urlsafe(18), init=False, repr=False)
@@ -383,8 +394,21 @@ class LocalKafkaCluster:
         password = self._admin_password if user == "admin" else self.users.get(user)
         if password is None:
             raise ValueError(f"no user {user!r} on this cluster: pass users={{{user!r}: password}} when creating it")
-        return {**conf, "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "PLAIN",
+        return {**conf, "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": _SASL_MECHANISM[self.security],
                 "sasl.username": user, "sasl.password": password}
+
+    def add_user(self, name: str, password: str) -> None:
+        """Create a SCRAM principal on the running cluster (security="sasl-scram"); it has no ACL yet."""
+        if self.security != "sasl-scram":
+            raise ClusterError(f"add_user needs security='sasl-scram' (this cluster: {self.security!r}); "
+                               "SASL/PLAIN users are fixed when the cluster starts: pass users={...}")
+        if name == "admin":
+            raise ValueError("'admin' is the harness's own super user: name the other principals differently")
+        upsert = UserScramCredentialUpsertion(
+            name, ScramCredentialInfo(ScramMechanism.SCRAM_SHA_512, 8192), password.encode())
+        for future in self.admin().alter_user_scram_credentials([upsert]).values():
+            future.result(timeout=30)
+        self.users = {**self.users, name: password}
 
     def partition_state(self, topic: str, partition: int = 0, timeout: float = 10.0) -> PartitionState | None:
         """Leader, replicas and ISR of a partition as the cluster's metadata says now (None if it stays
@@ -645,14 +669,18 @@ class LocalKafkaCluster:
         # Brokers replicate as "admin" over the SASL listener. The controller listener stays PLAINTEXT
         # on loopback and is never advertised: its principal (ANONYMOUS) is a super user so that the
         # nodes' own quorum traffic is authorized.
-        accounts = {"admin": self._admin_password, **self.users}
-        users = " ".join(f'user_{name}="{password}"' for name, password in accounts.items())
+        mechanism = _SASL_MECHANISM[self.security]
+        login = f'username="admin" password="{self._admin_password}"'
+        if mechanism == "PLAIN":
+            accounts = {"admin": self._admin_password, **self.users}
+            users = " ".join(f'user_{name}="{password}"' for name, password in accounts.items())
+            jaas = f"org.apache.kafka.common.security.plain.PlainLoginModule required {login} {users};"
+        else:  # SCRAM: the brokers log in as admin; every credential lives in the metadata (_format_storage)
+            jaas = f"org.apache.kafka.common.security.scram.ScramLoginModule required {login};"
         return {
-            "sasl.enabled.mechanisms": "PLAIN",
-            "sasl.mechanism.inter.broker.protocol": "PLAIN",
-            "listener.name.sasl_plaintext.plain.sasl.jaas.config":
-                "org.apache.kafka.common.security.plain.PlainLoginModule required "
-                f'username="admin" password="{self._admin_password}" {users};',
+            "sasl.enabled.mechanisms": mechanism,
+            "sasl.mechanism.inter.broker.protocol": mechanism,
+            f"listener.name.sasl_plaintext.{mechanism.lower()}.sasl.jaas.config": jaas,
             "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
             "super.users": "User:admin;User:ANONYMOUS",
             "allow.everyone.if.no.acl.found": False,
@@ -678,16 +706,24 @@ class LocalKafkaCluster:
     def _format_storage(self, libs: Path) -> None:
         # Format all nodes at once: each is a short JVM run, and they are independent.
         procs = []
+        scram: list[str] = []
+        if self.security == "sasl-scram":
+            # The brokers' own login must exist before any of them starts: it goes in with the format.
+            for name, password in {"admin": self._admin_password, **self.users}.items():
+                scram += ["--add-scram", f"SCRAM-SHA-512=[name={name},password={password}]"]
         for node in self.nodes.values():
             cmd = self._java_cmd(
                 libs, "kafka.tools.StorageTool", "format", "-t", self.cluster_id, "-c", str(node.config_path),
-                "--ignore-formatted", heap_mb=256,
+                "--ignore-formatted", *scram, heap_mb=256,
             )
             procs.append((node, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)))
         for node, proc in procs:
             out, _ = proc.communicate(timeout=120)
             if proc.returncode != 0:
-                raise ClusterError(f"formatting storage of node {node.node_id} failed: {out.decode(errors='replace')}")
+                said = out.decode(errors="replace")
+                for password in (self._admin_password, *self.users.values()):
+                    said = said.replace(password, "***")
+                raise ClusterError(f"formatting storage of node {node.node_id} failed: {said}")
 
     def _launch(self, node: KafkaNode, libs: Path) -> None:
         cmd = self._java_cmd(libs, "kafka.Kafka", str(node.config_path), heap_mb=self.heap_mb)

@@ -1,6 +1,7 @@
-"""LocalKafkaCluster(security="sasl-plain"): real SASL/PLAIN authentication and real ACLs (Kafka's
-StandardAuthorizer) on the real jars. A wrong password is refused, a principal without ACLs sees and
-writes nothing, and the same principal produces once it is granted Describe and Write."""
+"""LocalKafkaCluster(security="sasl-scram"): real SASL/SCRAM-SHA-512 authentication and real ACLs (Kafka's
+StandardAuthorizer) on the real jars (SASL/PLAIN: tests/integration/test_cli_secured.py). A wrong password
+is refused as such, a principal without ACLs sees and writes nothing, and what it sent is delivered once
+it is granted Describe and Write."""
 
 from __future__ import annotations
 
@@ -20,7 +21,15 @@ from confluent_kafka.admin import (
     ResourceType,
 )
 
-from reliable_kafka import ReliableProducer, TopicAuthorizationFailed, TopicConfigError, TopicMissing
+from reliable_kafka import (
+    AuthenticationFailed,
+    ClusterUnreachable,
+    ReliableProducer,
+    TopicAuthorizationFailed,
+    TopicConfigError,
+    TopicMissing,
+)
+from reliable_kafka.admin import admin_client
 from reliable_kafka.doctor import diagnose
 from reliable_kafka.testing import LocalKafkaCluster
 from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS, consume_all
@@ -29,15 +38,14 @@ from tests.fixtures.kafka import _require_kafka
 pytestmark = pytest.mark.cluster
 
 ALICE = "alice-" + uuid.uuid4().hex[:6]
-BOB = "bob-" + uuid.uuid4().hex[:6]  # granted Write nowhere until the producer-id test does
 
 
 @pytest.fixture(scope="module")
 def secured() -> Iterator[LocalKafkaCluster]:
     """One node is enough: authentication and authorization happen on every broker alike."""
     _require_kafka()
-    cluster = LocalKafkaCluster(brokers=1, jvm_options=QUICK_START_JVM_OPTIONS, security="sasl-plain",
-                                users={ALICE: uuid.uuid4().hex, BOB: uuid.uuid4().hex})
+    cluster = LocalKafkaCluster(brokers=1, jvm_options=QUICK_START_JVM_OPTIONS, security="sasl-scram",
+                                users={ALICE: uuid.uuid4().hex})
     cluster.start()
     try:
         cluster.wait_healthy()
@@ -65,17 +73,44 @@ def test_the_harness_itself_is_the_super_user_and_its_secrets_stay_out_of_repr_a
     shown = repr(secured) + str(secured.describe())
     assert secured.client_config()["sasl.password"] not in shown
     assert secured.client_config(ALICE)["sasl.password"] not in shown
-    assert secured.describe()["security"] == "sasl-plain"
+    assert secured.describe()["security"] == "sasl-scram"
 
 
-def test_a_wrong_password_is_refused(secured: LocalKafkaCluster) -> None:
-    conf = {**secured.client_config(ALICE), "sasl.password": "not-" + uuid.uuid4().hex}
+def test_a_wrong_password_is_refused_as_such_never_as_unreachable_and_never_shown(
+    secured: LocalKafkaCluster, tmp_path, caplog: pytest.LogCaptureFixture
+) -> None:
+    wrong = "not-" + uuid.uuid4().hex
+    conf = {**secured.client_config(ALICE), "sasl.password": wrong, "socket.timeout.ms": 5000}
+    caplog.set_level(logging.DEBUG, logger="reliable_kafka")
+    # The control: bare librdkafka only says "transport failure"; the reason goes to error_cb.
     errors: list[KafkaError] = []
-    p = Producer({**conf, "socket.timeout.ms": 5000, "error_cb": errors.append})
-    with pytest.raises(KafkaException):  # no metadata: the broker closed the connection
-        p.list_topics(timeout=10)
-    p.poll(1)  # serves error_cb: the reason is reported there
+    p = Producer({**conf, "error_cb": errors.append})
+    with pytest.raises(KafkaException):
+        p.list_topics(timeout=2)
+    p.poll(1)
     assert KafkaError._AUTHENTICATION in {e.code() for e in errors}, errors
+
+    with pytest.raises(AuthenticationFailed) as refused:
+        diagnose(admin_client(secured.bootstrap_servers, {k: v for k, v in conf.items() if k != "bootstrap.servers"}),
+                 timeout=2)
+    assert refused.value.username == ALICE and refused.value.mechanism == "SCRAM-SHA-512"
+    topic = f"s-{uuid.uuid4().hex[:8]}"
+    secured.create_topic(topic, 1, 1)
+    with (ReliableProducer(conf, outbox_path=tmp_path / "o.db") as producer,
+          pytest.raises(AuthenticationFailed) as at_send):
+        producer.send(topic, b"never accepted")
+    assert "sasl.password" in str(at_send.value) and not isinstance(at_send.value, ClusterUnreachable)
+    # Accepted without a preflight, a message stays pending while the login is refused; said once.
+    producer = ReliableProducer(conf, outbox_path=tmp_path / "p.db", preflight="off")
+    try:
+        producer.send(topic, b"kept")
+        _wait_for(lambda: "refused to authenticate" in caplog.text, "the refused login")
+        assert producer.pending == 1 and producer.stats().failed == 0
+    finally:
+        assert producer.close(timeout=0.5) == 1  # still pending: kept in the outbox, not lost
+    assert caplog.text.count("refused to authenticate") == 2  # the send's preflight, then the producer once
+    shown = caplog.text + str(refused.value) + str(at_send.value)
+    assert wrong not in shown
 
 
 def test_a_principal_without_acls_is_denied_until_granted_describe_and_write(secured: LocalKafkaCluster) -> None:
@@ -195,8 +230,10 @@ def test_an_idempotent_producer_refused_its_producer_id_keeps_messages_pending_u
     fatal to that client). The outbox keeps every message; granted Write (KIP-679), they all arrive."""
     topic = f"s-{uuid.uuid4().hex[:8]}"
     secured.create_topic(topic, 1, 1)
-    _grant(secured, BOB, topic, AclOperation.DESCRIBE)
-    conf = secured.client_config(BOB)
+    bob = "bob-" + uuid.uuid4().hex[:6]  # a SCRAM user created now, granted Write nowhere
+    secured.add_user(bob, uuid.uuid4().hex)
+    _grant(secured, bob, topic, AclOperation.DESCRIBE)
+    conf = secured.client_config(bob)
     caplog.set_level(logging.INFO, logger="reliable_kafka.producer")
     values = [f"v-{i}".encode() for i in range(300)]
     with ReliableProducer(conf, outbox_path=tmp_path / "o.db", preflight="warn") as producer:
@@ -204,7 +241,7 @@ def test_an_idempotent_producer_refused_its_producer_id_keeps_messages_pending_u
         # Gate: the producer id was refused and the producer rebuilt at least once.
         _wait_for(lambda: producer.stats().recreated >= 1, "the refused producer id")
         assert producer.pending == len(values) and producer.stats().failed == 0
-        _grant(secured, BOB, topic, AclOperation.WRITE)
+        _grant(secured, bob, topic, AclOperation.WRITE)
         assert producer.flush(120) == 0
         assert producer.stats().failed == 0
     assert "IdempotentWrite" in caplog.text
