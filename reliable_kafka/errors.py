@@ -23,7 +23,9 @@ errors by what the caller does next, so one `except` clause can handle a whole b
     │   ├── AuthenticationFailed       the brokers refused the credentials (SASL login)
     │   ├── AuthorizationFailed        the principal lacks an ACL (the message names it and the fix)
     │   │   ├── TopicAuthorizationFailed    an operation on a topic is not allowed
-    │   │   └── ClusterAuthorizationFailed  an operation on the cluster is not allowed
+    │   │   ├── GroupAuthorizationFailed    reading as a consumer group is not allowed
+    │   │   ├── ClusterAuthorizationFailed  an operation on the cluster is not allowed
+    │   │   └── TransactionalIdAuthorizationFailed  (also TransactionFailed) using the transactional.id
     │   ├── DeliveryFailed             a message was refused; it is kept in the outbox as failed
     │   ├── TransactionFenced          another instance took over the transactional.id
     │   └── TransactionFailed          a fatal transactional error, or no recovery in time
@@ -130,6 +132,20 @@ class ClusterAuthorizationFailed(AuthorizationFailed):
             f"--operation {operation} --cluster",
             code="CLUSTER_AUTHORIZATION_FAILED",
         )
+
+
+class GroupAuthorizationFailed(AuthorizationFailed):
+    """The principal may not use consumer group `group` (Kafka's GROUP_AUTHORIZATION_FAILED)."""
+
+    def __init__(self, group: str) -> None:
+        super().__init__(
+            f"not authorized to Read consumer group {group!r} (GROUP_AUTHORIZATION_FAILED): grant the principal "
+            f"this client authenticates as Read on the group (and Describe and Read on its topics), e.g. "
+            f"kafka-acls.sh --bootstrap-server <brokers> --add --allow-principal User:<name> --operation Read "
+            f"--group {group}",
+            code="GROUP_AUTHORIZATION_FAILED",
+        )
+        self.group = group
 
 
 class ConfigError(InputRefused, ValueError):
@@ -302,6 +318,22 @@ class TransactionFailed(RefusedByKafka):
     had not committed are processed again by whoever takes its partitions (or by its restart).
     The message carries the broker's or librdkafka's reason (e.g. an authorisation failure).
     """
+
+
+class TransactionalIdAuthorizationFailed(TransactionFailed, AuthorizationFailed):
+    """The principal may not use `transactional_id` (TRANSACTIONAL_ID_AUTHORIZATION_FAILED): the
+    transactional producer stopped; restart it once granted."""
+
+    def __init__(self, transactional_id: str, operation: str, reason: str) -> None:
+        super().__init__(
+            f"transactional.id {transactional_id!r}: not authorized to use it during {operation} ({reason}). "
+            f"This instance stopped; its uncommitted work is redone after a restart. Grant the principal "
+            f"Write and Describe on the transactional id (and Write on the output topics, Read on the group), "
+            f"e.g. kafka-acls.sh --bootstrap-server <brokers> --add --allow-principal User:<name> "
+            f"--operation Write --operation Describe --transactional-id {transactional_id}",
+            code="TRANSACTIONAL_ID_AUTHORIZATION_FAILED",
+        )
+        self.transactional_id = transactional_id
 
 
 class PartitionWriteFailed(ReliableKafkaError):

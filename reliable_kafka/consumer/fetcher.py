@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 
 from reliable_kafka.consumer.work import Work
+from reliable_kafka.errors import GroupAuthorizationFailed, TopicAuthorizationFailed
 from reliable_kafka.kafka_errors import describe
 from reliable_kafka.offsets import OffsetTracker
 
@@ -40,7 +41,7 @@ class Fetcher:
     room_wait_s = 0.5
 
     def __init__(self, client: Consumer, tracker: OffsetTracker, rebalance: RebalanceHandler,
-                 dedup: DedupStage | None, *, max_batch: int, max_in_flight: int) -> None:
+                 dedup: DedupStage | None, *, max_batch: int, max_in_flight: int, group: str = "") -> None:
         self._client = client
         self._tracker = tracker
         self._rebalance = rebalance
@@ -52,6 +53,8 @@ class Fetcher:
         self.fetched: dict[tuple[str, int], list[int]] = {}
         self.epochs: dict[tuple[str, int], int] = {}
         self._missing_warned: set[str | None] = set()  # subscribed topics found missing, said once each
+        self._group = group
+        self._denied_said: set[tuple[int, str | None]] = set()  # (code, topic) of refusals said once each
 
     def step(self, strategy: Strategy) -> None:
         """One pass: run the held records, or fetch a batch, or wait paused while the backlog is full."""
@@ -105,6 +108,9 @@ class Fetcher:
                 if err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
                     self._missing_topic(msg.topic())
                     continue
+                if err.code() in (KafkaError.GROUP_AUTHORIZATION_FAILED, KafkaError.TOPIC_AUTHORIZATION_FAILED):
+                    self._denied(err.code(), msg.topic())
+                    continue
                 log.warning("consumer error: %s", describe(err))
                 continue
             topic, partition = msg.topic(), msg.partition()
@@ -128,6 +134,16 @@ class Fetcher:
                     "reliable_kafka.ensure_topic(config, %r) or kafka-topics.sh --create --topic %s "
                     "--replication-factor 3 --config min.insync.replicas=2; it is read once it exists",
                     topic, topic, topic)
+
+    def _denied(self, code: int, topic: str | None) -> None:
+        # librdkafka keeps asking (joining the group, fetching metadata), so the consumer reads as soon as
+        # the ACL is granted: the refusal is said once, as an error with the grant, and not raised.
+        if (code, topic) in self._denied_said:
+            return
+        self._denied_said.add((code, topic))
+        denied = (GroupAuthorizationFailed(self._group) if code == KafkaError.GROUP_AUTHORIZATION_FAILED
+                  else TopicAuthorizationFailed(topic or "?", "Read"))
+        log.error("%s; nothing is read until it is granted", denied)
 
     def work(self, msg: Message) -> Work:
         """A record of the last tracked batch, as Work."""

@@ -117,7 +117,7 @@ class ReliableConsumer:
         )
         self._rebalance = RebalanceHandler(self._client, self._commits, revoke_timeout_s=revoke_timeout_s)
         self._fetcher = Fetcher(self._client, self._commits.tracker, self._rebalance, self._dedup,
-                                max_batch=max_batch, max_in_flight=max_in_flight)
+                                max_batch=max_batch, max_in_flight=max_in_flight, group=group)
         self._dead_letters = DeadLetters(dead_letter, self._config)
         self._failures = FailureStages(retry or RetryPolicy(), self._dead_letters, self._commits, self._dedup,
                                        self._counters, self._stop, tracing=self._tracing, group=group)

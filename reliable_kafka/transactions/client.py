@@ -13,7 +13,12 @@ from typing import Any
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from reliable_kafka import kafka_errors
-from reliable_kafka.errors import ReliableKafkaError, TransactionFailed, TransactionFenced
+from reliable_kafka.errors import (
+    ReliableKafkaError,
+    TransactionalIdAuthorizationFailed,
+    TransactionFailed,
+    TransactionFenced,
+)
 from reliable_kafka.transactions.calls import Deadlines, Failure, call
 
 
@@ -73,6 +78,8 @@ class TransactionalClient:
                 "instance stopped; its uncommitted work is aborted and redone by the new owner.",
                 code=kafka_errors.name_of(cause or failure.error),
             )
+        if kafka_errors.code_of(cause or failure.error) == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
+            return TransactionalIdAuthorizationFailed(self.transactional_id, failure.operation, reason)
         return TransactionFailed(
             f"transactional.id {self.transactional_id!r}: fatal error during {failure.operation} "
             f"({reason}). This instance stopped; its uncommitted work is aborted and redone after a "

@@ -24,6 +24,7 @@ from confluent_kafka.admin import (
 from reliable_kafka import (
     AuthenticationFailed,
     ClusterUnreachable,
+    ReliableConsumer,
     ReliableProducer,
     TopicAuthorizationFailed,
     TopicConfigError,
@@ -265,3 +266,40 @@ def test_a_producer_principal_without_describe_configs_gets_the_replication_chec
         assert producer.wait(producer.send(topic, b"sent"), 60) == "delivered"
     assert "min.insync.replicas and unclean.leader.election.enable were not checked" in caplog.text
     assert "DescribeConfigs" in caplog.text
+
+
+def test_a_consumer_refused_its_group_says_which_grant_is_missing_and_reads_everything_once_granted(
+    secured: LocalKafkaCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    topic, group = f"s-{uuid.uuid4().hex[:8]}", f"g-{uuid.uuid4().hex[:8]}"
+    secured.create_topic(topic, 1, 1)
+    values = [f"v-{i}".encode() for i in range(50)]
+    p = Producer(secured.client_config())
+    for v in values:
+        p.produce(topic, v)
+    assert p.flush(30) == 0
+    _grant(secured, ALICE, topic, AclOperation.DESCRIBE, AclOperation.READ)  # the topic, not the group
+    caplog.set_level(logging.INFO, logger="reliable_kafka.consumer")
+    got: list[bytes] = []
+    with ReliableConsumer({**secured.client_config(ALICE), "group.id": group}, [topic]) as consumer:
+        # Gate: the group was refused (said once, with the grant) and nothing was read.
+        deadline = time.monotonic() + 60
+        while "GROUP_AUTHORIZATION_FAILED" not in caplog.text:
+            assert time.monotonic() < deadline, "the group refusal was never said"
+            assert consumer.poll(0.2) is None
+        assert f"--group {group}" in caplog.text
+        bindings = [AclBinding(ResourceType.GROUP, group, ResourcePatternType.LITERAL, f"User:{ALICE}", "*",
+                               AclOperation.READ, AclPermissionType.ALLOW)]
+        for future in secured.admin().create_acls(bindings).values():
+            future.result(timeout=30)
+        deadline = time.monotonic() + 90
+        while len(got) < len(values) and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None:
+                got.append(msg.value())
+                consumer.ack(msg)
+        consumer.commit()
+    assert got == values
+    said = [r for r in caplog.records if r.name == "reliable_kafka.consumer.fetcher"
+            and "GROUP_AUTHORIZATION_FAILED" in r.getMessage()]
+    assert len(said) == 1, said  # once, not once per poll

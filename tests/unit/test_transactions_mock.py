@@ -21,7 +21,13 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from reliable_kafka import kafka_errors
 from reliable_kafka.config import transactional_producer_config
-from reliable_kafka.errors import ConfigError, TransactionFailed, TransactionFenced
+from reliable_kafka.errors import (
+    AuthorizationFailed,
+    ConfigError,
+    TransactionalIdAuthorizationFailed,
+    TransactionFailed,
+    TransactionFenced,
+)
 from reliable_kafka.testing.mock import MockCluster
 from reliable_kafka.transactions import (
     OutputRecord,
@@ -243,6 +249,9 @@ def test_a_fatal_init_error_stops_with_transaction_failed(mock: MockCluster) -> 
     copy.start().join()
     assert isinstance(copy.error, TransactionFailed) and not isinstance(copy.error, TransactionFenced), copy.error
     assert "TRANSACTIONAL_ID_AUTHORIZATION_FAILED" in str(copy.error)
+    # A missing ACL, said as one: the grant it needs, and an AuthorizationFailed for `except` clauses.
+    assert isinstance(copy.error, TransactionalIdAuthorizationFailed) and isinstance(copy.error, AuthorizationFailed)
+    assert f"--transactional-id {copy.tid}" in str(copy.error)
 
 
 # ---- the table itself -------------------------------------------------------------------------------
