@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import random
-import secrets
 import shutil
 import signal
 import socket
@@ -39,6 +38,7 @@ from confluent_kafka.admin import (
 from reliable_kafka.errors import ClusterError
 from reliable_kafka.retry import retry_kafka_call
 from reliable_kafka.testing.jars import LOG4J_CONFIG, java_executable, kafka_libs
+from reliable_kafka.testing.security import ClusterSecurity
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,6 @@ _FAST_FAULT_SETTINGS: dict[str, Any] = {
 # off only in long, busy runs, so benchmarks keep the JVM's default.
 QUICK_START_JVM_OPTIONS: tuple[str, ...] = ("-XX:TieredStopAtLevel=1",)
 
-# What LocalKafkaCluster(security=...) can set up: None (open PLAINTEXT), or SASL with ACLs: PLAIN
-# (passwords in the brokers' JAAS settings, fixed at start) or SCRAM-SHA-512 (salted credentials in the
-# cluster metadata: created at format time, more added while it runs, as production clusters do).
-_SECURITY = (None, "sasl-plain", "sasl-scram")
-_SASL_MECHANISM = {"sasl-plain": "PLAIN", "sasl-scram": "SCRAM-SHA-512"}
 
 _PR_SET_PDEATHSIG = 1
 
@@ -208,21 +203,19 @@ class LocalKafkaCluster:
     # Set for a cluster re-attached from a state file: every node (re)start is written back to it,
     # so `reliable-kafka cluster stop` finds the new pids too.
     state_path: Path | None = field(default=None, init=False)
-    # None: an open PLAINTEXT cluster. "sasl-plain" / "sasl-scram": clients authenticate with SASL
-    # (PLAIN or SCRAM-SHA-512) and are authorized by Kafka's StandardAuthorizer (no ACL, no access); the
-    # harness itself is the super user "admin". `users` adds principals ({name: password}) that start
-    # with no ACL at all (on "sasl-scram", add_user() adds more while the cluster runs).
+    # None: an open PLAINTEXT cluster; else one of security.MODES: "tls" (encrypted, open), or
+    # "sasl-plain" / "sasl-scram" (+ "+tls"): clients log in with SASL and are authorized by Kafka's
+    # StandardAuthorizer (no ACL, no access); the harness itself is the super user "admin". `users` adds
+    # principals ({name: password}) that start with no ACL at all (SCRAM: add_user() adds more later).
     security: str | None = None
     users: Mapping[str, str] = field(default_factory=dict, repr=False)
-    _admin_password: str = field(default_factory=lambda: secrets.token_urlsafe(18), init=False, repr=False)
+    _security: ClusterSecurity = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # A lone string would otherwise be taken apart into one-character JVM flags.
         if isinstance(self.jvm_options, str):
             raise TypeError(f"jvm_options takes a sequence of flags, e.g. ({self.jvm_options!r},), not a string")
-        if self.security not in _SECURITY:
-            raise ValueError(f"security={self.security!r} is not supported: use one of "
-                             f"{', '.join(repr(s) for s in _SECURITY)}")
+        self._security = ClusterSecurity(self.security)
         if "admin" in self.users:
             raise ValueError("'admin' is the harness's own super user: name the other principals differently")
 
@@ -249,6 +242,7 @@ class LocalKafkaCluster:
             directory = root / f"node-{node_id}"
             directory.mkdir(parents=True, exist_ok=True)
             self.nodes[node_id] = KafkaNode(node_id, free_port(), free_port(), directory)
+        self._security.prepare(root / "tls", java_executable())
         for node in self.nodes.values():
             node.config_path.write_text(self._server_properties(node))
         self._format_storage(libs)
@@ -388,19 +382,12 @@ class LocalKafkaCluster:
     def client_config(self, user: str = "admin") -> dict[str, Any]:
         """librdkafka settings that reach this cluster as `user` ("admin": the super user the harness
         itself is). On an open cluster, just the bootstrap servers."""
-        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap_servers}
-        if self.security is None:
-            return conf
-        password = self._admin_password if user == "admin" else self.users.get(user)
-        if password is None:
-            raise ValueError(f"no user {user!r} on this cluster: pass users={{{user!r}: password}} when creating it")
-        return {**conf, "security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": _SASL_MECHANISM[self.security],
-                "sasl.username": user, "sasl.password": password}
+        return {"bootstrap.servers": self.bootstrap_servers, **self._security.client_settings(user, dict(self.users))}
 
     def add_user(self, name: str, password: str) -> None:
         """Create a SCRAM principal on the running cluster (security="sasl-scram"); it has no ACL yet."""
-        if self.security != "sasl-scram":
-            raise ClusterError(f"add_user needs security='sasl-scram' (this cluster: {self.security!r}); "
+        if self._security.mechanism != "SCRAM-SHA-512":
+            raise ClusterError(f"add_user needs SCRAM (security='sasl-scram'; this cluster: {self.security!r}); "
                                "SASL/PLAIN users are fixed when the cluster starts: pass users={...}")
         if name == "admin":
             raise ValueError("'admin' is the harness's own super user: name the other principals differently")
@@ -634,7 +621,7 @@ class LocalKafkaCluster:
     def _server_properties(self, node: KafkaNode) -> str:
         internal_rf = min(3, self.brokers)
         voter = node in self._quorum()
-        client = "PLAINTEXT" if self.security is None else "SASL_PLAINTEXT"
+        client = self._security.protocol
         listeners = f"{client}://127.0.0.1:{node.broker_port}"
         if voter:
             listeners += f",CONTROLLER://127.0.0.1:{node.controller_port}"
@@ -649,7 +636,7 @@ class LocalKafkaCluster:
             "controller.listener.names": "CONTROLLER",
             "inter.broker.listener.name": client,
             "listener.security.protocol.map": f"{client}:{client},CONTROLLER:PLAINTEXT",
-            **self._security_settings(),
+            **self._security.broker_settings(dict(self.users)),
             "log.dirs": str(node.directory / "data"),
             "default.replication.factor": internal_rf,
             "min.insync.replicas": min(2, internal_rf),
@@ -662,29 +649,6 @@ class LocalKafkaCluster:
             **dict(self.broker_config),
         }
         return "".join(f"{k}={_prop(v)}\n" for k, v in settings.items())
-
-    def _security_settings(self) -> dict[str, Any]:
-        if self.security is None:
-            return {}
-        # Brokers replicate as "admin" over the SASL listener. The controller listener stays PLAINTEXT
-        # on loopback and is never advertised: its principal (ANONYMOUS) is a super user so that the
-        # nodes' own quorum traffic is authorized.
-        mechanism = _SASL_MECHANISM[self.security]
-        login = f'username="admin" password="{self._admin_password}"'
-        if mechanism == "PLAIN":
-            accounts = {"admin": self._admin_password, **self.users}
-            users = " ".join(f'user_{name}="{password}"' for name, password in accounts.items())
-            jaas = f"org.apache.kafka.common.security.plain.PlainLoginModule required {login} {users};"
-        else:  # SCRAM: the brokers log in as admin; every credential lives in the metadata (_format_storage)
-            jaas = f"org.apache.kafka.common.security.scram.ScramLoginModule required {login};"
-        return {
-            "sasl.enabled.mechanisms": mechanism,
-            "sasl.mechanism.inter.broker.protocol": mechanism,
-            f"listener.name.sasl_plaintext.{mechanism.lower()}.sasl.jaas.config": jaas,
-            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
-            "super.users": "User:admin;User:ANONYMOUS",
-            "allow.everyone.if.no.acl.found": False,
-        }
 
     def _java_cmd(self, libs: Path, main: str, *args: str, heap_mb: int) -> list[str]:
         return [
@@ -706,11 +670,7 @@ class LocalKafkaCluster:
     def _format_storage(self, libs: Path) -> None:
         # Format all nodes at once: each is a short JVM run, and they are independent.
         procs = []
-        scram: list[str] = []
-        if self.security == "sasl-scram":
-            # The brokers' own login must exist before any of them starts: it goes in with the format.
-            for name, password in {"admin": self._admin_password, **self.users}.items():
-                scram += ["--add-scram", f"SCRAM-SHA-512=[name={name},password={password}]"]
+        scram = self._security.format_args(dict(self.users))
         for node in self.nodes.values():
             cmd = self._java_cmd(
                 libs, "kafka.tools.StorageTool", "format", "-t", self.cluster_id, "-c", str(node.config_path),
@@ -721,7 +681,7 @@ class LocalKafkaCluster:
             out, _ = proc.communicate(timeout=120)
             if proc.returncode != 0:
                 said = out.decode(errors="replace")
-                for password in (self._admin_password, *self.users.values()):
+                for password in self._security.secrets(dict(self.users)):
                     said = said.replace(password, "***")
                 raise ClusterError(f"formatting storage of node {node.node_id} failed: {said}")
 

@@ -1,0 +1,149 @@
+"""How a secured LocalKafkaCluster is set up: its listener's protocol, the brokers' SASL and TLS settings,
+the credentials formatted into the metadata, and the settings a client needs to log in.
+
+Real authentication and authorization, nothing faked: SASL/PLAIN or SASL/SCRAM-SHA-512 logins, TLS with
+a certificate made for the run, Kafka's StandardAuthorizer with no access without an ACL. The harness is
+the super user "admin"; secrets stay out of repr() and of the cluster's description.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from reliable_kafka.errors import ClusterError
+
+# None: an open PLAINTEXT cluster. "tls": encrypted, no login and no ACLs. The others log in with SASL
+# (PLAIN: passwords in the brokers' JAAS settings, fixed at start; SCRAM-SHA-512: salted credentials in
+# the metadata, created at format time and added while it runs, as production clusters do) and are
+# authorized by ACLs; "+tls" runs them over TLS (SASL_SSL).
+MODES = (None, "tls", "sasl-plain", "sasl-scram", "sasl-plain+tls", "sasl-scram+tls")
+_MECHANISM = {"sasl-plain": "PLAIN", "sasl-scram": "SCRAM-SHA-512"}
+
+
+@dataclass
+class ClusterSecurity:
+    mode: str | None = None
+    admin_password: str = field(default_factory=lambda: secrets.token_urlsafe(18), repr=False)
+    # Where the run's certificate lives (set by prepare()): the brokers' keystore and the PEM clients trust.
+    _keystore: Path | None = field(default=None, init=False, repr=False)
+    _keystore_password: str = field(default_factory=lambda: secrets.token_urlsafe(18), init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"security={self.mode!r} is not supported: use one of {', '.join(map(repr, MODES))}")
+
+    @property
+    def mechanism(self) -> str | None:
+        """The SASL mechanism, or None when clients do not log in."""
+        return _MECHANISM.get((self.mode or "").removesuffix("+tls"))
+
+    @property
+    def tls(self) -> bool:
+        return self.mode is not None and self.mode.endswith("tls")
+
+    @property
+    def protocol(self) -> str:
+        """The client listener's security.protocol."""
+        return {(False, False): "PLAINTEXT", (True, False): "SASL_PLAINTEXT", (False, True): "SSL",
+                (True, True): "SASL_SSL"}[(self.mechanism is not None, self.tls)]
+
+    @property
+    def ca_location(self) -> Path | None:
+        """The PEM certificate a client trusts to verify the brokers (TLS modes, after prepare())."""
+        return None if self._keystore is None else self._keystore.with_suffix(".pem")
+
+    def prepare(self, directory: Path, java: str) -> None:
+        """Make what the brokers need before they start: for TLS, a key and certificate for 127.0.0.1.
+
+        One self-signed certificate serves every node (they all listen on 127.0.0.1) and is the one
+        clients trust; the JDK's keytool makes it, so nothing beyond the JDK the brokers need is used.
+        """
+        if not self.tls or self._keystore is not None:
+            return
+        directory.mkdir(parents=True, exist_ok=True)
+        keystore = directory / "broker.p12"
+        keytool = str(Path(java).with_name("keytool"))
+        store = ["-keystore", str(keystore), "-storetype", "PKCS12", "-storepass", self._keystore_password]
+        for args in (
+            ["-genkeypair", "-alias", "broker", "-keyalg", "RSA", "-keysize", "2048", "-validity", "30",
+             "-dname", "CN=localhost", "-ext", "SAN=ip:127.0.0.1,dns:localhost", *store],
+            ["-exportcert", "-rfc", "-alias", "broker", "-file", str(keystore.with_suffix(".pem")), *store],
+        ):
+            done = subprocess.run([keytool, *args], capture_output=True, text=True, timeout=120, check=False)
+            if done.returncode != 0:
+                said = (done.stdout + done.stderr).replace(self._keystore_password, "***")
+                raise ClusterError(f"keytool could not make the cluster's TLS certificate: {said}")
+        self._keystore = keystore
+
+    def broker_settings(self, users: dict[str, str]) -> dict[str, Any]:
+        """server.properties entries for the client listener (named after its protocol)."""
+        if self.mode is None:
+            return {}
+        settings: dict[str, Any] = {}
+        listener = self.protocol.lower()
+        if self.tls:
+            if self._keystore is None:
+                raise ClusterError("the TLS certificate was not made: call prepare() before writing the settings")
+            settings.update({
+                "ssl.keystore.type": "PKCS12",
+                "ssl.keystore.location": str(self._keystore),
+                "ssl.keystore.password": self._keystore_password,
+                "ssl.key.password": self._keystore_password,
+                # Brokers replicate over this listener too: they trust the same certificate clients do.
+                "ssl.truststore.type": "PEM",
+                "ssl.truststore.location": str(self.ca_location),
+            })
+        mechanism = self.mechanism
+        if mechanism is None:
+            return settings
+        # Brokers replicate as "admin". The controller listener stays PLAINTEXT on loopback and is never
+        # advertised: its principal (ANONYMOUS) is a super user so that the quorum's own traffic is authorized.
+        login = f'username="admin" password="{self.admin_password}"'
+        if mechanism == "PLAIN":
+            accounts = {"admin": self.admin_password, **users}
+            known = " ".join(f'user_{name}="{password}"' for name, password in accounts.items())
+            jaas = f"org.apache.kafka.common.security.plain.PlainLoginModule required {login} {known};"
+        else:  # SCRAM: every credential lives in the metadata (format_args)
+            jaas = f"org.apache.kafka.common.security.scram.ScramLoginModule required {login};"
+        return {
+            **settings,
+            "sasl.enabled.mechanisms": mechanism,
+            "sasl.mechanism.inter.broker.protocol": mechanism,
+            f"listener.name.{listener}.{mechanism.lower()}.sasl.jaas.config": jaas,
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "super.users": "User:admin;User:ANONYMOUS",
+            "allow.everyone.if.no.acl.found": False,
+        }
+
+    def format_args(self, users: dict[str, str]) -> list[str]:
+        """StorageTool arguments: SCRAM credentials must exist before any broker starts (they log in too)."""
+        if self.mechanism != "SCRAM-SHA-512":
+            return []
+        args: list[str] = []
+        for name, password in {"admin": self.admin_password, **users}.items():
+            args += ["--add-scram", f"SCRAM-SHA-512=[name={name},password={password}]"]
+        return args
+
+    def secrets(self, users: dict[str, str]) -> list[str]:
+        """Every secret of the cluster, for redacting tool output."""
+        return [self.admin_password, self._keystore_password, *users.values()]
+
+    def client_settings(self, user: str, users: dict[str, str]) -> dict[str, Any]:
+        """librdkafka settings that log in as `user` ("admin": the harness's super user)."""
+        settings: dict[str, Any] = {}
+        if self.mode is None:
+            return settings
+        settings["security.protocol"] = self.protocol
+        if self.tls:
+            settings["ssl.ca.location"] = str(self.ca_location)
+        if self.mechanism is not None:
+            password = self.admin_password if user == "admin" else users.get(user)
+            if password is None:
+                raise ValueError(f"no user {user!r} on this cluster: pass users={{{user!r}: password}} when "
+                                 "creating it")
+            settings.update({"sasl.mechanism": self.mechanism, "sasl.username": user, "sasl.password": password})
+        return settings
