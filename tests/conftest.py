@@ -39,6 +39,7 @@ WHOLE_MODULES = frozenset({
     "tests/integration/test_doctor.py",     # a second cluster with weak settings
     "tests/integration/test_telemetry.py",  # the OpenTelemetry SDK set up once per module
     "tests/integration/test_secured_cluster.py",  # a one-node SASL/ACL cluster
+    "tests/integration/test_cli_secured.py",  # a one-node SASL cluster for the CLI
     "tests/unit/test_wheel_install.py",     # a wheel built once
 })
 

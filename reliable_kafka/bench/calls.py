@@ -21,7 +21,7 @@ from typing import Any
 from confluent_kafka import Producer
 
 from reliable_kafka.backpressure import produce_when_room
-from reliable_kafka.bench.common import BenchRow, loop_stalls, rows_against
+from reliable_kafka.bench.common import BenchRow, Connection, loop_stalls, rows_against
 from reliable_kafka.config import producer_config
 from reliable_kafka.ids import ID_HEADER, new_id
 from reliable_kafka.testing.loop_stall import LoopStallProbe
@@ -75,16 +75,16 @@ def shares(n: int, parts: int) -> list[int]:
     return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
 
 
-def run(variant: CallVariant, bootstrap: str, topic: str, n: int) -> Outcome:
+def run(variant: CallVariant, connection: Connection, topic: str, n: int) -> Outcome:
     """Run one variant in this process (the bench worker's entry point)."""
     if variant.asyncio:
         coro: Coroutine[Any, Any, Outcome] = (
-            _aio_raw(bootstrap, topic, n, variant.concurrency) if variant.client == "raw"
-            else _aio_reliable(bootstrap, topic, n, variant.concurrency, variant.durability or "process"))
+            _aio_raw(connection, topic, n, variant.concurrency) if variant.client == "raw"
+            else _aio_reliable(connection, topic, n, variant.concurrency, variant.durability or "process"))
         return asyncio.run(coro)
     if variant.client == "raw":
-        return _raw_threads(bootstrap, topic, n, variant.concurrency)
-    return _reliable_threads(bootstrap, topic, n, variant.concurrency, variant.durability or "process")
+        return _raw_threads(connection, topic, n, variant.concurrency)
+    return _reliable_threads(connection, topic, n, variant.concurrency, variant.durability or "process")
 
 
 # ---- threads ------------------------------------------------------------------------------------
@@ -118,11 +118,11 @@ def _join(threads: list[threading.Thread], errors: list[BaseException]) -> None:
         raise RuntimeError(f"senders still sending after {SEND_TIMEOUT_S:.0f} s")
 
 
-def _raw_threads(bootstrap: str, topic: str, n: int, threads: int) -> Outcome:
+def _raw_threads(connection: Connection, topic: str, n: int, threads: int) -> Outcome:
     """Baseline: one confluent-kafka Producer with our settings, `threads` threads each calling produce()
     per message (an rk-id-like header, a delivery callback), a poller thread serving the reports. BufferError
     is waited out by polling and producing again. The clock stops at the last delivery report."""
-    p = Producer(producer_config({"bootstrap.servers": bootstrap}))
+    p = Producer(producer_config(connection))
     lock = threading.Lock()
     settled = [0, 0]  # delivered, failed
     all_back = threading.Event()
@@ -163,11 +163,11 @@ def _raw_threads(bootstrap: str, topic: str, n: int, threads: int) -> Outcome:
     return took, {}
 
 
-def _reliable(bootstrap: str, outbox_dir: str, durability: str) -> Any:
+def _reliable(connection: Connection, outbox_dir: str, durability: str) -> Any:
     from reliable_kafka.producer import ReliableProducer
 
     kw: dict[str, Any] = {} if durability == "memory" else {"outbox_path": os.path.join(outbox_dir, "bench.db")}
-    return ReliableProducer({"bootstrap.servers": bootstrap}, durability=durability, **kw)
+    return ReliableProducer(dict(connection), durability=durability, **kw)
 
 
 def _commit_facts(stats: Any, n: int) -> dict[str, Any]:
@@ -176,11 +176,11 @@ def _commit_facts(stats: Any, n: int) -> dict[str, Any]:
     return {"commits": stats.commits}
 
 
-def _reliable_threads(bootstrap: str, topic: str, n: int, threads: int, durability: str) -> Outcome:
+def _reliable_threads(connection: Connection, topic: str, n: int, threads: int, durability: str) -> Outcome:
     """Ours: `threads` threads each calling ReliableProducer.send() per message; the clock stops when
     flush() returns 0 (every message confirmed by all in-sync replicas)."""
     with tempfile.TemporaryDirectory() as d:
-        p = _reliable(bootstrap, d, durability)
+        p = _reliable(connection, d, durability)
         p.check_topics([topic])
         p.start()
 
@@ -218,13 +218,13 @@ async def _timed_tasks(n: int, tasks: int, send_share: Callable[[int], Coroutine
     return took, probe
 
 
-async def _aio_raw(bootstrap: str, topic: str, n: int, tasks: int) -> Outcome:
+async def _aio_raw(connection: Connection, topic: str, n: int, tasks: int) -> Outcome:
     """Baseline: confluent-kafka's AIOProducer with our settings, `tasks` tasks each awaiting produce() per
     message (it returns once the message is buffered, as our send() once it is accepted); the clock stops
     when every delivery future is resolved. AIOProducer refuses headers, so this baseline carries none."""
     from confluent_kafka.aio import AIOProducer
 
-    p = AIOProducer(producer_config({"bootstrap.servers": bootstrap}))
+    p = AIOProducer(producer_config(connection))
     settled = [0, 0]  # delivered, failed
 
     def on_done(fut: asyncio.Future[Any]) -> None:
@@ -254,14 +254,14 @@ async def _aio_raw(bootstrap: str, topic: str, n: int, tasks: int) -> Outcome:
     return took, probe.facts()
 
 
-async def _aio_reliable(bootstrap: str, topic: str, n: int, tasks: int, durability: str) -> Outcome:
+async def _aio_reliable(connection: Connection, topic: str, n: int, tasks: int, durability: str) -> Outcome:
     """Ours: AsyncReliableProducer, `tasks` tasks each awaiting send() per message; the clock stops when
     flush() returns 0."""
     from reliable_kafka.producer.aio import AsyncReliableProducer
 
     with tempfile.TemporaryDirectory() as d:
         kw: dict[str, Any] = {} if durability == "memory" else {"outbox_path": os.path.join(d, "bench.db")}
-        p = AsyncReliableProducer({"bootstrap.servers": bootstrap}, durability=durability, **kw)
+        p = AsyncReliableProducer(dict(connection), durability=durability, **kw)
         await asyncio.to_thread(p.sync.check_topics, [topic])
         await p.start()
         left = [n]

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from reliable_kafka.bench.common import peak_rss_mb, rows_against
+from reliable_kafka.bench.common import Connection, connection_from_env, peak_rss_mb, rows_against, variant_env
 from reliable_kafka.bench.worker import produce_raw
 from reliable_kafka.lab.eos_copier_bounce import AtLeastOnceCopier, copy_transform
 from reliable_kafka.transactions import CommitInfo, TransactionalProcessor
@@ -29,7 +29,7 @@ PARTITIONS = 3
 
 
 def run_eos_bench(
-    bootstrap_servers: str,
+    connection: Connection,
     messages: int = 200_000,
     create_topic: Callable[[str, int], None] | None = None,
     *,
@@ -47,20 +47,20 @@ def run_eos_bench(
     create_topic(source, PARTITIONS)
     # A fast raw idempotent producer, not measured. The records carry rk-ids, as ReliableProducer's do,
     # so both copiers carry the same headers across and the difference is the transactions.
-    produce_raw(bootstrap_servers, source, messages, with_ids=True)
+    produce_raw(connection, source, messages, with_ids=True)
     runs: dict[str, list[dict[str, Any]]] = {BASELINE: [], VARIANT: []}
     for _ in range(repeat):
         for variant, results in runs.items():
             output = f"bench-eos-{variant}-{uuid.uuid4().hex[:6]}"
             create_topic(output, PARTITIONS)
-            results.append(_in_own_process(variant, bootstrap_servers, source, output, messages))
+            results.append(_in_own_process(variant, connection, source, output, messages))
     return [row.as_json() for row in rows_against("eos", BASELINE, runs, messages)]
 
 
-def _in_own_process(variant: str, bootstrap: str, source: str, output: str, messages: int) -> dict[str, Any]:
-    argv = [sys.executable, "-m", __name__, variant, "--bootstrap", bootstrap, "--input", source,
-            "--output", output, "--messages", str(messages)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
+def _in_own_process(variant: str, connection: Connection, source: str, output: str, messages: int) -> dict[str, Any]:
+    argv = [sys.executable, "-m", __name__, variant, "--input", source, "--output", output, "--messages", str(messages)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False,
+                          env=variant_env(connection))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"eos benchmark {variant} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
@@ -68,7 +68,7 @@ def _in_own_process(variant: str, bootstrap: str, source: str, output: str, mess
     return result
 
 
-def copy_rate(variant: str, bootstrap: str, source: str, output: str, messages: int) -> float:
+def copy_rate(variant: str, connection: Connection, source: str, output: str, messages: int) -> float:
     """Copy `messages` records with one variant; records per second between its first and last commit."""
     group = f"bench-eos-{variant}-{uuid.uuid4().hex[:6]}"
     marks: list[tuple[float, int]] = []
@@ -81,13 +81,13 @@ def copy_rate(variant: str, bootstrap: str, source: str, output: str, messages: 
             copier.stop()
 
     if variant == BASELINE:
-        copier = AtLeastOnceCopier(bootstrap, group_id=group, input_topic=source, output_topic=output,
+        copier = AtLeastOnceCopier(connection, group_id=group, input_topic=source, output_topic=output,
                                    on_commit=on_commit)
         copier.run()
         copier.close()
     elif variant == VARIANT:
         copier = TransactionalProcessor(
-            {"bootstrap.servers": bootstrap, "group.id": group}, input_topics=[source],
+            {**connection, "group.id": group}, input_topics=[source],
             transform=copy_transform(output), transactional_id=f"{group}-0", max_batch_interval_s=0.1,
             on_commit=on_commit,
         )
@@ -104,12 +104,11 @@ def copy_rate(variant: str, bootstrap: str, source: str, output: str, messages: 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="one eos benchmark variant; prints its result as JSON")
     ap.add_argument("variant", choices=[BASELINE, VARIANT])
-    ap.add_argument("--bootstrap", required=True)
     ap.add_argument("--input", required=True)
     ap.add_argument("--output", required=True)
     ap.add_argument("--messages", type=int, required=True)
     a = ap.parse_args(argv)
-    rate = copy_rate(a.variant, a.bootstrap, a.input, a.output, a.messages)
+    rate = copy_rate(a.variant, connection_from_env(), a.input, a.output, a.messages)
     print(json.dumps({"msgs_per_s": rate, "peak_rss_mb": peak_rss_mb()}), flush=True)
     # A lingering librdkafka thread must not keep the benchmark waiting.
     threading.Event().wait(0.1)

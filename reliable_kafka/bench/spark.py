@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from reliable_kafka.bench.common import rows_against
+from reliable_kafka.bench.common import Connection, rows_against
+from reliable_kafka.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,22 @@ def _peak_rss_mb() -> Iterator[list[float]]:
         thread.join()
 
 
+def _bootstrap_only(connection: Connection) -> str:
+    """The brokers of `connection`, which must say nothing else.
+
+    The baseline is Spark's own Kafka sink, i.e. the Java client, which takes Java settings
+    (sasl.jaas.config, truststores) rather than librdkafka's: given only half of a login, the two sides
+    would not measure the same cluster path, so a secured cluster is refused instead.
+    """
+    extra = sorted(k for k in connection if k != "bootstrap.servers")
+    if extra:
+        raise ConfigError(extra[0], "the spark bench's baseline (Spark's Kafka sink, a Java client) cannot take "
+                                    "librdkafka connection settings; run `bench spark` against an open cluster")
+    return str(connection["bootstrap.servers"])
+
+
 def run_spark_bench(
-    bootstrap_servers: str,
+    connection: Connection,
     rows: int,
     create_topic: Callable[[str, int], None],
     *,
@@ -64,7 +79,9 @@ def run_spark_bench(
 
     Returns one row per variant: the baseline (ratio 1.0), ours, and Spark's sink with our writer's
     batching settings for context. msgs_per_s is the median of `rounds` (each round runs every variant).
+    `connection` may only name the brokers: see _bootstrap_only().
     """
+    bootstrap_servers = _bootstrap_only(connection)
     from pyspark.sql import functions as F
 
     from reliable_kafka.spark.api import write_kafka

@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import Any
 
 from reliable_kafka.bench import calls
-from reliable_kafka.bench.common import BenchRow, loop_stalls, rows_against, run_variant
+from reliable_kafka.bench.common import BenchRow, Connection, loop_stalls, rows_against, run_variant
 
 CreateTopic = Callable[[str, int], None]
 Progress = Callable[[str], None]
@@ -27,12 +27,12 @@ def _topic(kind: str) -> str:
     return f"bench-{kind}-{uuid.uuid4().hex[:6]}"
 
 
-def _args(bootstrap: str, topic: str, n: int, *extra: str) -> list[str]:
-    return ["--bootstrap", bootstrap, "--topic", topic, "--messages", str(n), *extra]
+def _args(topic: str, n: int, *extra: str) -> list[str]:
+    return ["--topic", topic, "--messages", str(n), *extra]
 
 
-def _interleaved(bench: str, variants: tuple[str, ...], args: Callable[[], list[str]], repeat: int,
-                 progress: Progress) -> dict[str, list[dict[str, Any]]]:
+def _interleaved(bench: str, variants: tuple[str, ...], args: Callable[[], list[str]], connection: Connection,
+                 repeat: int, progress: Progress) -> dict[str, list[dict[str, Any]]]:
     """Every variant's `repeat` runs, the variants taking turns (A B C, A B C, ...).
 
     Taking turns, rather than A A B B, spreads a slow or fast minute of the brokers over every variant
@@ -42,37 +42,39 @@ def _interleaved(bench: str, variants: tuple[str, ...], args: Callable[[], list[
     for round_ in range(repeat):
         for variant in variants:
             progress(f"{bench}/{variant}" + (f" ({round_ + 1}/{repeat})" if repeat > 1 else ""))
-            runs[variant].append(run_variant(bench, variant, args()))
+            runs[variant].append(run_variant(bench, variant, args(), connection))
     return runs
 
 
-def producer_bench(bootstrap: str, create_topic: CreateTopic, messages: int, progress: Progress,
+def producer_bench(connection: Connection, create_topic: CreateTopic, messages: int, progress: Progress,
                    repeat: int = 1) -> list[BenchRow]:
     def fresh_topic() -> list[str]:
         topic = _topic("producer")
         create_topic(topic, 3)
-        return _args(bootstrap, topic, messages)
+        return _args(topic, messages)
 
     # Brokers just started run their first traffic cold (JIT, page cache): an unmeasured run first,
     # or whichever variant goes first is measured against cold brokers and the ratios flatter the rest.
     progress("producer: warming the brokers up")
-    run_variant("producer", "raw", fresh_topic())
-    results = _interleaved("producer", ("raw", "memory", "process", "fsync"), fresh_topic, repeat, progress)
+    run_variant("producer", "raw", fresh_topic(), connection)
+    results = _interleaved("producer", ("raw", "memory", "process", "fsync"), fresh_topic, connection, repeat,
+                           progress)
     return rows_against("producer", "raw", results, messages)
 
 
-def producer_calls_bench(bootstrap: str, create_topic: CreateTopic, messages: int, progress: Progress,
+def producer_calls_bench(connection: Connection, create_topic: CreateTopic, messages: int, progress: Progress,
                          repeat: int = 1) -> list[BenchRow]:
     """How applications send: one send() per message from many threads or tasks, every variant and its
     baseline in the same interleaved rounds."""
     def fresh_topic() -> list[str]:
         topic = _topic("calls")
         create_topic(topic, 3)
-        return _args(bootstrap, topic, messages)
+        return _args(topic, messages)
 
     progress(f"{calls.BENCH}: warming the brokers up")
-    run_variant(calls.BENCH, calls.VARIANTS[0].name, fresh_topic())
-    results = _interleaved(calls.BENCH, tuple(v.name for v in calls.VARIANTS), fresh_topic, repeat, progress)
+    run_variant(calls.BENCH, calls.VARIANTS[0].name, fresh_topic(), connection)
+    results = _interleaved(calls.BENCH, tuple(v.name for v in calls.VARIANTS), fresh_topic, connection, repeat,
+                           progress)
     return calls.rows(results, messages)
 
 
@@ -81,42 +83,42 @@ SYNC_CONSUMERS = ("raw", "reliable_consumer", "raw_librdkafka_defaults")
 AIO_CONSUMERS = ("aio_raw", "aio_reliable")
 
 
-def consumer_bench(bootstrap: str, create_topic: CreateTopic, messages: int, progress: Progress,
+def consumer_bench(connection: Connection, create_topic: CreateTopic, messages: int, progress: Progress,
                    repeat: int = 1) -> list[BenchRow]:
     topic = _topic("consumer")
     create_topic(topic, 3)
     progress("consumer: filling the topic")
-    run_variant("producer", "fill", _args(bootstrap, topic, messages))
+    run_variant("producer", "fill", _args(topic, messages), connection)
     progress("consumer: warming the brokers' fetch path up")
-    run_variant("consumer", "raw", _args(bootstrap, topic, messages))
+    run_variant("consumer", "raw", _args(topic, messages), connection)
     # raw_librdkafka_defaults: the same loop at librdkafka's fetch defaults, for reference (no target).
     # aio_raw / aio_reliable: the asyncio pair, each run watched by an event-loop stall probe.
-    results = _interleaved("consumer", (*SYNC_CONSUMERS, *AIO_CONSUMERS), lambda: _args(bootstrap, topic, messages),
-                           repeat, progress)
+    results = _interleaved("consumer", (*SYNC_CONSUMERS, *AIO_CONSUMERS), lambda: _args(topic, messages),
+                           connection, repeat, progress)
     rows = rows_against("consumer", "raw", {v: results[v] for v in SYNC_CONSUMERS}, messages)
     aio = {v: results[v] for v in AIO_CONSUMERS}
     return rows + [replace(row, extra=loop_stalls(aio[row.variant]))
                    for row in rows_against("consumer", "aio_raw", aio, messages)]
 
 
-def dedup_bench(bootstrap: str, create_topic: CreateTopic, messages: int, progress: Progress,
+def dedup_bench(connection: Connection, create_topic: CreateTopic, messages: int, progress: Progress,
                 repeat: int = 1, redis_url: str | None = None) -> list[BenchRow]:
     from reliable_kafka.testing.redis_server import RedisServer
 
     topic = _topic("dedup")
     create_topic(topic, 3)
     progress("dedup: filling the topic")
-    run_variant("producer", "fill", _args(bootstrap, topic, messages))
+    run_variant("producer", "fill", _args(topic, messages), connection)
     server = None
     if redis_url is None:
         server = RedisServer()
         server.start()
         redis_url = server.url
     try:
-        args = _args(bootstrap, topic, messages, "--redis-url", redis_url)
+        args = _args(topic, messages, "--redis-url", redis_url)
         progress("dedup: warming the brokers' fetch path up")
-        run_variant("dedup", "none", args)
-        results = _interleaved("dedup", ("none", "sqlite", "redis"), lambda: args, repeat, progress)
+        run_variant("dedup", "none", args, connection)
+        results = _interleaved("dedup", ("none", "sqlite", "redis"), lambda: args, connection, repeat, progress)
     finally:
         if server is not None:
             server.stop()

@@ -21,7 +21,7 @@ from confluent_kafka import Consumer, Producer
 
 from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.bench import calls
-from reliable_kafka.bench.common import peak_rss_mb
+from reliable_kafka.bench.common import Connection, connection_from_env, peak_rss_mb
 from reliable_kafka.ids import ID_HEADER, new_ids
 from reliable_kafka.testing.loop_stall import LoopStallProbe
 
@@ -29,12 +29,12 @@ VALUE = b"x" * 100
 BATCH = 1_000
 
 
-def produce_raw(bootstrap: str, topic: str, n: int, with_ids: bool = False) -> float:
+def produce_raw(connection: Connection, topic: str, n: int, with_ids: bool = False) -> float:
     """Baseline: bare confluent-kafka with acks=all + idempotence, the usual poll(0) loop.
 
     `with_ids` adds an rk-id header (filling a topic for the dedup benchmark).
     """
-    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 5})
+    p = Producer({**connection, "acks": "all", "enable.idempotence": True, "linger.ms": 5})
     delivered = [0]
 
     def on_delivery(err: Any, _msg: Any) -> None:
@@ -56,12 +56,12 @@ def produce_raw(bootstrap: str, topic: str, n: int, with_ids: bool = False) -> f
     return took
 
 
-def produce_reliable(bootstrap: str, topic: str, n: int, durability: str) -> float:
+def produce_reliable(connection: Connection, topic: str, n: int, durability: str) -> float:
     from reliable_kafka.producer import ReliableProducer
 
     with tempfile.TemporaryDirectory() as d:
         kw: dict[str, Any] = {} if durability == "memory" else {"outbox_path": os.path.join(d, "bench.db")}
-        p = ReliableProducer({"bootstrap.servers": bootstrap}, durability=durability, **kw)
+        p = ReliableProducer(dict(connection), durability=durability, **kw)
         p.check_topics([topic])
         batch = [(topic, VALUE)] * BATCH
         start = time.perf_counter()
@@ -92,7 +92,7 @@ class _Counting:
             self._on_last()
 
 
-def consume_raw(bootstrap: str, topic: str, n: int, fetch_like_ours: bool = True) -> float:
+def consume_raw(connection: Connection, topic: str, n: int, fetch_like_ours: bool = True) -> float:
     """Baseline: bare confluent-kafka poll loop with auto-commit, the same handler per record.
 
     `fetch_like_ours`: the same fetch.queue.backoff.ms as ReliableConsumer's defaults, so that the
@@ -102,7 +102,7 @@ def consume_raw(bootstrap: str, topic: str, n: int, fetch_like_ours: bool = True
     from reliable_kafka.config import CONSUMER_DEFAULTS
 
     fetch = {"fetch.queue.backoff.ms": CONSUMER_DEFAULTS["fetch.queue.backoff.ms"]} if fetch_like_ours else {}
-    c = Consumer({"bootstrap.servers": bootstrap, "group.id": f"bench-raw-{time.time_ns()}",
+    c = Consumer({**connection, "group.id": f"bench-raw-{time.time_ns()}",
                   "auto.offset.reset": "earliest", "enable.auto.commit": True, **fetch})
     c.subscribe([topic])
     handler = _Counting(n)
@@ -125,7 +125,7 @@ def _awaited(counting: _Counting) -> Callable[[Any], Awaitable[None]]:
     return handle
 
 
-async def consume_aio_raw(bootstrap: str, topic: str, n: int) -> tuple[float, dict[str, Any]]:
+async def consume_aio_raw(connection: Connection, topic: str, n: int) -> tuple[float, dict[str, Any]]:
     """Baseline for AsyncReliableConsumer: confluent-kafka's own asyncio consumer (aio.AIOConsumer), as a careful
     user writes it: the raw loop's group settings without auto-commit, `await consume(500, 1.0)`, the async
     handler awaited per record, then the batch's offsets committed before the next batch is fetched.
@@ -142,7 +142,7 @@ async def consume_aio_raw(bootstrap: str, topic: str, n: int) -> tuple[float, di
 
     from reliable_kafka.config import CONSUMER_DEFAULTS
 
-    c = AIOConsumer({"bootstrap.servers": bootstrap, "group.id": f"bench-aio-raw-{time.time_ns()}",
+    c = AIOConsumer({**connection, "group.id": f"bench-aio-raw-{time.time_ns()}",
                      "auto.offset.reset": "earliest", "enable.auto.commit": False,
                      "fetch.queue.backoff.ms": CONSUMER_DEFAULTS["fetch.queue.backoff.ms"]})
     counting = _Counting(n)
@@ -168,12 +168,12 @@ async def consume_aio_raw(bootstrap: str, topic: str, n: int) -> tuple[float, di
     return took, probe.facts()
 
 
-async def consume_aio_reliable(bootstrap: str, topic: str, n: int) -> tuple[float, dict[str, Any]]:
+async def consume_aio_reliable(connection: Connection, topic: str, n: int) -> tuple[float, dict[str, Any]]:
     """Ours: AsyncReliableConsumer.run() with the same async handler, stopped by it after `n` records; the
     clock stops when run() returned (what was handled is committed then)."""
     from reliable_kafka.consumer.aio import AsyncReliableConsumer
 
-    consumer = AsyncReliableConsumer({"bootstrap.servers": bootstrap, "group.id": f"bench-aio-rk-{time.time_ns()}"},
+    consumer = AsyncReliableConsumer({**connection, "group.id": f"bench-aio-rk-{time.time_ns()}"},
                                      [topic])
     counting = _Counting(n, consumer.stop)
     try:
@@ -187,7 +187,7 @@ async def consume_aio_reliable(bootstrap: str, topic: str, n: int) -> tuple[floa
     return took, probe.facts()
 
 
-def consume_reliable(bootstrap: str, topic: str, n: int, dedup: str | None, redis_url: str | None) -> float:
+def consume_reliable(connection: Connection, topic: str, n: int, dedup: str | None, redis_url: str | None) -> float:
     from reliable_kafka.consumer import DedupPolicy, ReliableConsumer
 
     store: Any = None
@@ -201,7 +201,7 @@ def consume_reliable(bootstrap: str, topic: str, n: int, dedup: str | None, redi
 
         assert redis_url, "the redis variant needs --redis-url"
         store = RedisDedupStore(redis_url, prefix=f"bench:{time.time_ns()}:")
-    consumer = ReliableConsumer({"bootstrap.servers": bootstrap, "group.id": f"bench-rk-{time.time_ns()}"},
+    consumer = ReliableConsumer({**connection, "group.id": f"bench-rk-{time.time_ns()}"},
                                 [topic], dedup=DedupPolicy(store) if store is not None else None)
     handler = _Counting(n, consumer.stop)
     consumer.run(handler)
@@ -217,29 +217,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bench")
     ap.add_argument("variant")
-    ap.add_argument("--bootstrap", required=True)
     ap.add_argument("--topic", required=True)
     ap.add_argument("--messages", type=int, required=True)
     ap.add_argument("--redis-url")
     a = ap.parse_args()
+    conn = connection_from_env()
     # A variant returns its seconds, or (seconds, facts for its JSON) (producer-calls, the asyncio consumers).
     runs: dict[tuple[str, str], Callable[[], float | tuple[float, dict[str, Any]]]] = {
-        ("producer", "raw"): lambda: produce_raw(a.bootstrap, a.topic, a.messages),
-        ("producer", "fill"): lambda: produce_raw(a.bootstrap, a.topic, a.messages, with_ids=True),
-        ("consumer", "raw"): lambda: consume_raw(a.bootstrap, a.topic, a.messages),
-        ("consumer", "raw_librdkafka_defaults"): lambda: consume_raw(a.bootstrap, a.topic, a.messages, False),
-        ("consumer", "reliable_consumer"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, None, None),
-        ("consumer", "aio_raw"): lambda: asyncio.run(consume_aio_raw(a.bootstrap, a.topic, a.messages)),
-        ("consumer", "aio_reliable"): lambda: asyncio.run(consume_aio_reliable(a.bootstrap, a.topic, a.messages)),
-        ("dedup", "none"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, None, None),
-        ("dedup", "sqlite"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, "sqlite", None),
-        ("dedup", "redis"): lambda: consume_reliable(a.bootstrap, a.topic, a.messages, "redis", a.redis_url),
+        ("producer", "raw"): lambda: produce_raw(conn, a.topic, a.messages),
+        ("producer", "fill"): lambda: produce_raw(conn, a.topic, a.messages, with_ids=True),
+        ("consumer", "raw"): lambda: consume_raw(conn, a.topic, a.messages),
+        ("consumer", "raw_librdkafka_defaults"): lambda: consume_raw(conn, a.topic, a.messages, False),
+        ("consumer", "reliable_consumer"): lambda: consume_reliable(conn, a.topic, a.messages, None, None),
+        ("consumer", "aio_raw"): lambda: asyncio.run(consume_aio_raw(conn, a.topic, a.messages)),
+        ("consumer", "aio_reliable"): lambda: asyncio.run(consume_aio_reliable(conn, a.topic, a.messages)),
+        ("dedup", "none"): lambda: consume_reliable(conn, a.topic, a.messages, None, None),
+        ("dedup", "sqlite"): lambda: consume_reliable(conn, a.topic, a.messages, "sqlite", None),
+        ("dedup", "redis"): lambda: consume_reliable(conn, a.topic, a.messages, "redis", a.redis_url),
     }
     for durability in ("memory", "process", "fsync"):
-        runs[("producer", durability)] = functools.partial(produce_reliable, a.bootstrap, a.topic, a.messages,
+        runs[("producer", durability)] = functools.partial(produce_reliable, conn, a.topic, a.messages,
                                                            durability)
     for variant in calls.VARIANTS:
-        runs[(calls.BENCH, variant.name)] = functools.partial(calls.run, variant, a.bootstrap, a.topic, a.messages)
+        runs[(calls.BENCH, variant.name)] = functools.partial(calls.run, variant, conn, a.topic, a.messages)
     rss_before = peak_rss_mb()
     outcome = runs[(a.bench, a.variant)]()
     took, facts = outcome if isinstance(outcome, tuple) else (outcome, {})

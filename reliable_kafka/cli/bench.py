@@ -1,7 +1,8 @@
 """`reliable-kafka bench`: what the guarantees cost, as ratios against a baseline in the same run.
 
-Starts (and stops) a local real cluster unless --bootstrap-servers is given; writes a table,
-optional JSON (`{"benchmarks": [...]}`) and an optional PNG of each ratio against its target.
+Uses the brokers given (--bootstrap-servers, --config, -X), else the running `reliable-kafka cluster`, else
+starts (and stops) a local real cluster; writes a table, optional JSON (`{"benchmarks": [...]}`) and an
+optional PNG of each ratio against its target.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from reliable_kafka.admin import admin_client
-from reliable_kafka.bench.common import SHORT_RUN_S, TARGETS, BenchRow, run_facts
+from reliable_kafka.bench.common import SHORT_RUN_S, TARGETS, BenchRow, Connection, run_facts
 from reliable_kafka.bench.suites import consumer_bench, dedup_bench, producer_bench, producer_calls_bench
+from reliable_kafka.cli.connection import connection_config, connection_options, redact, running_cluster
 from reliable_kafka.cli.output import check_writable, console, emit_json, fail, table
 from reliable_kafka.cli.runlog import chatter_to_file
 from reliable_kafka.errors import ClusterError, ReliableKafkaError
@@ -32,10 +35,10 @@ log = logging.getLogger(__name__)
 BENCHES = ("producer", "producer-calls", "consumer", "eos", "dedup", "spark")
 
 
-def _create_topic_fn(bootstrap: str) -> Callable[[str, int], None]:
+def _create_topic_fn(connection: Connection) -> Callable[[str, int], None]:
     from confluent_kafka.admin import NewTopic
 
-    admin = admin_client(bootstrap)
+    admin = admin_client(connection["bootstrap.servers"], connection)
 
     def create(name: str, partitions: int) -> None:
         admin.create_topics([NewTopic(name, num_partitions=partitions, replication_factor=3,
@@ -130,11 +133,43 @@ def _group_commit_table(rows: list[BenchRow], *, to_stderr: bool) -> None:
           to_stderr=to_stderr)
 
 
+def _brokers(conf: dict[str, Any]) -> tuple[LocalKafkaCluster | None, bool]:
+    """Fill in conf's bootstrap.servers when none was given; the cluster the bench started (to stop it), and
+    whether the brokers are a local cluster of ours (their Kafka version is then known).
+
+    A running `reliable-kafka cluster` is used rather than a second one started beside it.
+    """
+    if "bootstrap.servers" not in conf:
+        running = running_cluster()
+        if running is not None:
+            conf["bootstrap.servers"] = running.bootstrap_servers
+            console.print(f"using the running local cluster at {running.bootstrap_servers}")
+        else:
+            cluster = LocalKafkaCluster(brokers=3)
+            console.print("starting a local Kafka cluster (3 nodes)...")
+            try:
+                cluster.start()
+                cluster.wait_healthy()
+            except ClusterError as exc:
+                fail(str(exc))
+            conf["bootstrap.servers"] = cluster.bootstrap_servers
+            return cluster, True
+        local = True
+    else:
+        local = False
+    try:
+        admin_client(conf["bootstrap.servers"], conf).list_topics(timeout=10)
+    except Exception as exc:
+        fail(f"brokers at {conf['bootstrap.servers']} are unreachable: {redact(str(exc), conf)}")
+    return None, local
+
+
 @click.command("bench")
 @click.argument("which", type=click.Choice([*BENCHES, "all"]), default="all")
 @click.option("--messages", type=click.IntRange(min=1000), default=None,
               help="Messages per variant (default: 1,000,000; spark rows: the same).")
-@click.option("--bootstrap-servers", default=None, help="Benchmark against these brokers instead of a local cluster.")
+@connection_options("Benchmark against these brokers (default: the running `reliable-kafka cluster`, else a "
+                    "local cluster started for the run).")
 @click.option("--repeat", type=click.IntRange(1, 9), default=3, show_default=True,
               help="Interleaved rounds (A B C, A B C, ...) after a warm-up; each variant's median is reported, "
                    "with its spread and every run in the JSON.")
@@ -142,8 +177,9 @@ def _group_commit_table(rows: list[BenchRow], *, to_stderr: bool) -> None:
 @click.option("--plot", "plot_path", default=None, metavar="PATH", help="Write a PNG chart of the ratios.")
 @click.option("--from-json", "from_json", multiple=True, type=click.Path(exists=True, dir_okay=False),
               metavar="PATH", help="Run nothing: draw --plot (and the table) from the rows of earlier --json files.")
-def bench(which: str, messages: int | None, bootstrap_servers: str | None, repeat: int, json_path: str | None,
-          plot_path: str | None, from_json: tuple[str, ...]) -> None:
+def bench(which: str, messages: int | None, bootstrap_servers: str | None, config_file: Path | None,
+          overrides: tuple[str, ...], repeat: int, json_path: str | None, plot_path: str | None,
+          from_json: tuple[str, ...]) -> None:
     """Measure producer, producer-calls, consumer, eos, dedup and spark variants against their baselines."""
     check_writable(json_path)
     check_writable(plot_path)
@@ -153,27 +189,14 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, repea
     if from_json:
         _redraw(from_json, plot_path)
         return
+    conf = connection_config(bootstrap_servers, config_file, overrides) or {}
     n = messages or 1_000_000
     chosen = list(BENCHES) if which == "all" else [which]
     load_before = os.getloadavg()
     with chatter_to_file("bench"):
-        cluster = None
-        if bootstrap_servers is None:
-            cluster = LocalKafkaCluster(brokers=3)
-            console.print("starting a local Kafka cluster (3 nodes)...")
-            try:
-                cluster.start()
-                cluster.wait_healthy()
-            except ClusterError as exc:
-                fail(str(exc))
-            bootstrap_servers = cluster.bootstrap_servers
-        else:
-            try:
-                admin_client(bootstrap_servers).list_topics(timeout=10)
-            except Exception as exc:
-                fail(f"brokers at {bootstrap_servers} are unreachable: {exc}")
+        cluster, local = _brokers(conf)
         rows: list[BenchRow] = []
-        create = _create_topic_fn(bootstrap_servers)
+        create = _create_topic_fn(conf)
         try:
             with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                           console=console) as bar:
@@ -185,25 +208,27 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, repea
                 for b in chosen:
                     try:
                         if b == "producer":
-                            rows += producer_bench(bootstrap_servers, create, n, progress, repeat)
+                            rows += producer_bench(conf, create, n, progress, repeat)
                         elif b == "producer-calls":
-                            rows += producer_calls_bench(bootstrap_servers, create, n, progress, repeat)
+                            rows += producer_calls_bench(conf, create, n, progress, repeat)
                         elif b == "consumer":
-                            rows += consumer_bench(bootstrap_servers, create, n, progress, repeat)
+                            rows += consumer_bench(conf, create, n, progress, repeat)
                         elif b == "dedup":
-                            rows += dedup_bench(bootstrap_servers, create, n, progress, repeat)
+                            rows += dedup_bench(conf, create, n, progress, repeat)
                         elif b == "eos":
                             progress("eos")
-                            rows += _external("reliable_kafka.bench.eos", "run_eos_bench", bootstrap_servers, n, create,
+                            rows += _external("reliable_kafka.bench.eos", "run_eos_bench", conf, n, create,
                                               repeat=repeat)
                         elif b == "spark":
                             progress("spark")
-                            rows += _external("reliable_kafka.bench.spark", "run_spark_bench", bootstrap_servers, n,
-                                              create, rounds=repeat)
+                            rows += _external("reliable_kafka.bench.spark", "run_spark_bench", conf, n, create,
+                                              rounds=repeat)
                     except (ReliableKafkaError, RuntimeError, ModuleNotFoundError) as exc:
-                        log.error("benchmark %s failed: %s", b, exc)
-                        console.print(f"[red]benchmark {b} failed:[/] {exc}")
-            nodes = len(admin_client(bootstrap_servers).list_topics(timeout=10).brokers)
+                        # A worker's stderr or a client's error may quote a setting: never a secret.
+                        why = redact(str(exc), conf)
+                        log.error("benchmark %s failed: %s", b, why)
+                        console.print(f"[red]benchmark {b} failed:[/] {escape(why)}")
+            nodes = len(admin_client(conf["bootstrap.servers"], conf).list_topics(timeout=10).brokers)
         finally:
             if cluster is not None:
                 cluster.stop()
@@ -217,7 +242,7 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, repea
     if json_path is not None:
         emit_json({"benchmarks": [r.as_json() for r in rows],
                    "run": run_facts(messages=n, repeat=repeat, nodes=nodes, load_before=load_before,
-                                          local_cluster=cluster is not None)}, json_path)
+                                          local_cluster=local)}, json_path)
     if plot_path is not None and rows:
         plot(rows, plot_path)
     if not rows:

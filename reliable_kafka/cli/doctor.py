@@ -6,36 +6,56 @@ Exit code 2 when a critical finding exists, 1 when the cluster cannot be reached
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
+from confluent_kafka import KafkaError, KafkaException
 from rich.markup import escape
 
 from reliable_kafka.admin import admin_client
-from reliable_kafka.cli.cluster import default_state_file
+from reliable_kafka.cli.connection import connection_config, connection_options, redact, running_cluster
 from reliable_kafka.cli.output import emit_json, fail, table
 from reliable_kafka.doctor import CRITICAL, WARNING, diagnose
 from reliable_kafka.errors import ReliableKafkaError
-from reliable_kafka.testing.cluster import LocalKafkaCluster
 
 _STYLE = {CRITICAL: "[bold red]critical[/]", WARNING: "[yellow]warning[/]"}
 
 
 @click.command("doctor")
-@click.option("--bootstrap-servers", default=None,
-              help="Brokers to audit (host:port,...); default: the cluster `reliable-kafka cluster start` runs.")
+@connection_options("Brokers to audit (host:port,...); default: the cluster `reliable-kafka cluster start` runs.")
 @click.option("--json", "as_json", is_flag=True, help="Print findings as JSON.")
 @click.option("--all", "show_ok", is_flag=True, help="Also list the checks that passed.")
-def doctor(bootstrap_servers: str | None, as_json: bool, show_ok: bool) -> None:
+def doctor(bootstrap_servers: str | None, config_file: Path | None, overrides: tuple[str, ...], as_json: bool,
+           show_ok: bool) -> None:
     """Audit replication factors, min ISR, unclean election and the internal topics."""
-    if bootstrap_servers is None:
-        state = default_state_file()
-        if not state.exists():
-            fail("give --bootstrap-servers (no local cluster is running)")
-        bootstrap_servers = LocalKafkaCluster.attach(state).bootstrap_servers
+    conf = connection_config(bootstrap_servers, config_file, overrides) or {}
+    if "bootstrap.servers" not in conf:
+        local = running_cluster()
+        if local is None:
+            fail("give --bootstrap-servers or bootstrap.servers in --config (no local cluster is running)")
+            return
+        conf["bootstrap.servers"] = local.bootstrap_servers
+    where = conf["bootstrap.servers"]
+    # A refused login looks like unreachable brokers to the admin calls; librdkafka says why only here.
+    refused_login: list[str] = []
+
+    def on_error(err: KafkaError) -> None:
+        if err.code() == KafkaError._AUTHENTICATION:
+            refused_login.append(err.str())
+
+    admin = None
     try:
-        findings = diagnose(admin_client(bootstrap_servers, {"socket.timeout.ms": 5000}), timeout=10)
-    except ReliableKafkaError as exc:
-        fail(f"cannot audit {bootstrap_servers}: {exc}")
+        # A short socket timeout unless the user chose one: an unreachable cluster is said within seconds.
+        admin = admin_client(where, {"socket.timeout.ms": 5000, **conf, "error_cb": on_error})
+        findings = diagnose(admin, timeout=10)
+    except (ReliableKafkaError, KafkaException) as exc:
+        if admin is not None:
+            admin.poll(0)  # serves on_error
+        why = (f"the brokers refused the login ({refused_login[-1]}); check sasl.mechanism, sasl.username and "
+               "sasl.password" if refused_login else str(exc))
+        # A client's error may quote a setting's value (librdkafka names an invalid one): never a secret.
+        fail(f"cannot audit {where}: {redact(why, conf)}")
+        return
     if as_json:
         emit_json({"findings": [f.as_json() for f in findings]})
     else:

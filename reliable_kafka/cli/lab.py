@@ -1,7 +1,8 @@
 """`reliable-kafka lab`: the classic loss scenarios, control client beside reliable_kafka, counted.
 
-Starts (and stops) a local real cluster unless pointed at one that `reliable-kafka cluster start`
-runs: the lab injects faults by signalling broker processes, so it cannot use a foreign cluster.
+Uses the running `reliable-kafka cluster` (or the one --bootstrap-servers names), else starts (and stops)
+a local real cluster: the lab injects faults by signalling broker processes, so it cannot use a foreign
+cluster, and its scenarios connect with bootstrap.servers alone (no SASL/TLS settings yet).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import click
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from reliable_kafka.cli.cluster import default_state_file
+from reliable_kafka.cli.connection import connection_config, connection_options, running_cluster
 from reliable_kafka.cli.output import check_writable, console, emit_json, fail, table
 from reliable_kafka.cli.runlog import chatter_to_file
 from reliable_kafka.errors import ClusterError
@@ -27,10 +29,32 @@ from reliable_kafka.testing.cluster import LocalKafkaCluster
 log = logging.getLogger(__name__)
 
 
+def _lab_bootstrap(conf: dict[str, str] | None) -> str | None:
+    """The brokers the lab was pointed at; any other connection setting is refused, not ignored.
+
+    The scenarios build their clients (in this process and in the programs they crash) from the cluster's
+    bootstrap servers alone, and a cluster the lab can break is one `reliable-kafka cluster start` runs,
+    which is open: a login given here would be used by no client.
+    """
+    extra = sorted(k for k in conf or {} if k != "bootstrap.servers")
+    if extra:
+        fail(f"the lab connects to its local cluster with bootstrap.servers only; it cannot use "
+             f"{', '.join(extra)} (security settings are for `doctor` and `bench`)", code=2)
+    return None if conf is None else conf.get("bootstrap.servers")
+
+
 def _cluster_for(bootstrap: str | None, state_file: Path | None, brokers: int) -> tuple[LocalKafkaCluster, bool]:
-    """The cluster to break, and whether the lab started it (and so must stop it)."""
+    """The cluster to break, and whether the lab started it (and so must stop it).
+
+    Without --bootstrap-servers a running `reliable-kafka cluster` is used: a second cluster beside it
+    would halve what each gets of the host's cores and memory.
+    """
     if bootstrap is None:
-        return LocalKafkaCluster(brokers=brokers, controllers=3), True
+        running = running_cluster(state_file)
+        if running is None:
+            return LocalKafkaCluster(brokers=brokers, controllers=3), True
+        bootstrap = running.bootstrap_servers
+        console.print(f"using the running local cluster at {bootstrap}")
     state = state_file or default_state_file()
     if not state.exists():
         fail(f"the lab injects faults by signalling broker processes, so it needs a cluster started with "
@@ -77,12 +101,13 @@ def missing_part(s: Scenario) -> str | None:
 
 @click.command("lab")
 @click.argument("names", nargs=-1, metavar="[SCENARIO ...]")
-@click.option("--bootstrap-servers", default=None, help="Use the running `reliable-kafka cluster` at B.")
+@connection_options("Use the running `reliable-kafka cluster` at these brokers (default: the running one, "
+                    "else a cluster started for the run).", env_default=False)
 @click.option("--state-file", type=click.Path(dir_okay=False, path_type=Path), default=None)
 @click.option("--json", "json_path", default=None, metavar="PATH", help="Write the results as JSON ('-' = stdout).")
 @click.option("--list", "list_only", is_flag=True, help="List the scenarios and exit.")
-def lab(names: tuple[str, ...], bootstrap_servers: str | None, state_file: Path | None, json_path: str | None,
-        list_only: bool) -> None:
+def lab(names: tuple[str, ...], bootstrap_servers: str | None, config_file: Path | None, overrides: tuple[str, ...],
+        state_file: Path | None, json_path: str | None, list_only: bool) -> None:
     """Reproduce the classic Kafka loss scenarios: an unsafe control client loses, reliable_kafka does not.
 
     Exit code 0: every control lost or duplicated and reliable_kafka did neither. 1: reliable_kafka lost
@@ -101,15 +126,18 @@ def lab(names: tuple[str, ...], bootstrap_servers: str | None, state_file: Path 
     skipped = {s.name: why for s in wanted if (why := missing_part(s)) is not None}
     chosen = [s for s in wanted if s.name not in skipped]
     check_writable(json_path)
+    # RELIABLE_KAFKA_CONFIG names the user's own cluster, which the lab never breaks: only explicit options.
+    bootstrap = _lab_bootstrap(connection_config(bootstrap_servers, config_file, overrides, code=2, use_env=False))
     results: list[ScenarioResult] = []
     errored: dict[str, str] = {}
     started = time.monotonic()
     if chosen:
         needs_five = any("5-node cluster" in s.needs for s in chosen)
-        cluster, owned = _cluster_for(bootstrap_servers, state_file, 5 if needs_five else 3)
+        cluster, owned = _cluster_for(bootstrap, state_file, 5 if needs_five else 3)
         if needs_five and max(len(cluster.nodes), cluster.brokers if owned else 0) < 5:
-            fail("unclean-election needs 5 nodes (3 controllers + 2 broker-only): run the lab without "
-                 "--bootstrap-servers, or `reliable-kafka cluster start --brokers 5`", code=NO_CLUSTER)
+            fail(f"unclean-election needs 5 nodes (3 controllers + 2 broker-only), the cluster at "
+                 f"{cluster.bootstrap_servers} has {len(cluster.nodes)}: `reliable-kafka cluster stop` and let the "
+                 "lab start its own, or `reliable-kafka cluster start --brokers 5`", code=NO_CLUSTER)
         with chatter_to_file("lab"):
             _run(chosen, cluster, owned, results, errored)
     rows = [[r.name, r.client, r.acked, r.consumed_unique, r.lost, r.duplicates, r.duplicates_after_dedup,

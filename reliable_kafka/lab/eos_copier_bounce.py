@@ -57,11 +57,12 @@ class AtLeastOnceCopier:
     Records are copied (value, key, headers) with an idempotent acks=all producer; every
     `commit_interval_s` the producer is flushed and only then are the consumed offsets committed. A
     crash between the two copies again what was produced since the last commit: duplicates, no loss.
+    `connection`: where the brokers are and how to log in, given to both clients.
     """
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        connection: Mapping[str, Any],
         *,
         group_id: str,
         input_topic: str,
@@ -72,9 +73,9 @@ class AtLeastOnceCopier:
         on_commit: Callable[[CommitInfo], None] | None = None,
     ) -> None:
         self._consumer = Consumer(consumer_config(
-            {"bootstrap.servers": bootstrap_servers, "group.id": group_id, **dict(consumer_overrides or {})}
+            {**connection, "group.id": group_id, **dict(consumer_overrides or {})}
         ))
-        self._producer = Producer(producer_config({"bootstrap.servers": bootstrap_servers}))
+        self._producer = Producer(producer_config(connection))
         self._input, self._output = input_topic, output_topic
         self._interval, self._delay = commit_interval_s, delay_s
         self._on_commit = on_commit
@@ -219,8 +220,9 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
     copier: TransactionalProcessor | AtLeastOnceCopier
     if args.mode == "control":
         copier = AtLeastOnceCopier(
-            args.bootstrap, group_id=args.group, input_topic=args.input, output_topic=args.output,
-            delay_s=delay, consumer_overrides=consumer_overrides, on_commit=reporter.committed,
+            {"bootstrap.servers": args.bootstrap}, group_id=args.group, input_topic=args.input,
+            output_topic=args.output, delay_s=delay, consumer_overrides=consumer_overrides,
+            on_commit=reporter.committed,
         )
     else:
         copier = TransactionalProcessor(

@@ -106,7 +106,8 @@ def test_consumer_rows_pair_the_asyncio_consumers_and_carry_their_loop_stalls(mo
              "aio_raw": 400_000.0, "aio_reliable": 380_000.0}
     asked: list[tuple[str, str]] = []
 
-    def fake_run_variant(bench: str, variant: str, args: Any, timeout: float = 1800) -> dict[str, Any]:
+    def fake_run_variant(bench: str, variant: str, args: Any, connection: Any, timeout: float = 1800
+                         ) -> dict[str, Any]:
         asked.append((bench, variant))
         rounds = sum(1 for b, v in asked if (b, v) == (bench, variant))
         run: dict[str, Any] = {"msgs_per_s": rates.get(variant, 1.0), "peak_rss_mb": 100.0}
@@ -115,8 +116,8 @@ def test_consumer_rows_pair_the_asyncio_consumers_and_carry_their_loop_stalls(mo
         return run
 
     monkeypatch.setattr(suites, "run_variant", fake_run_variant)
-    rows = {r.variant: r for r in suites.consumer_bench("b:9092", lambda _t, _p: None, 1_000_000, lambda _s: None,
-                                                        repeat=2)}
+    rows = {r.variant: r for r in suites.consumer_bench({"bootstrap.servers": "b:9092"}, lambda _t, _p: None,
+                                                        1_000_000, lambda _s: None, repeat=2)}
     # every variant in each round, each in a worker of its own, the asyncio pair after the sync ones
     assert asked[2:7] == [("consumer", v) for v in ("raw", "reliable_consumer", "raw_librdkafka_defaults",
                                                     "aio_raw", "aio_reliable")]
