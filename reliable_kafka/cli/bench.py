@@ -142,8 +142,9 @@ def _brokers(conf: dict[str, Any]) -> tuple[LocalKafkaCluster | None, bool]:
     if "bootstrap.servers" not in conf:
         running = running_cluster()
         if running is not None:
-            conf["bootstrap.servers"] = running.bootstrap_servers
-            console.print(f"using the running local cluster at {running.bootstrap_servers}")
+            conf.update({**running.client_config(), **conf})  # a secured one: as its super user
+            console.print(f"using the running local cluster at {running.bootstrap_servers}"
+                          + (f" ({running.security})" if running.security else ""))
         else:
             cluster = LocalKafkaCluster(brokers=3)
             console.print("starting a local Kafka cluster (3 nodes)...")

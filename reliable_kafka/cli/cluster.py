@@ -17,6 +17,7 @@ from reliable_kafka.cli.output import emit_json, fail, table
 from reliable_kafka.errors import ClusterError
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 from reliable_kafka.testing.jars import KAFKA_VERSION, kafka_libs
+from reliable_kafka.testing.security import MODES
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +51,11 @@ def fetch() -> None:
 @cluster_group.command("start")
 @click.option("--brokers", type=click.IntRange(1, 5), default=3, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print the cluster description as JSON.")
+@click.option("--security", type=click.Choice([m for m in MODES if m is not None]), default=None,
+              help="Secure the client listener: TLS, SASL login (PLAIN or SCRAM-SHA-512) with ACLs, or both. The "
+                   "super user's client settings go to a properties file beside the state (for --config).")
 @state_option
-def start(brokers: int, as_json: bool, state_file: Path | None) -> None:
+def start(brokers: int, as_json: bool, security: str | None, state_file: Path | None) -> None:
     """Start a cluster that keeps running after this command returns."""
     state = state_file or default_state_file()
     if state.exists():
@@ -60,7 +64,7 @@ def start(brokers: int, as_json: bool, state_file: Path | None) -> None:
             fail(f"a cluster is already running ({existing.bootstrap_servers}); stop it first (state: {state})")
         state.unlink()
     data_dir = state.parent / "cluster-data"
-    cluster = LocalKafkaCluster(brokers=brokers, data_dir=data_dir, die_with_parent=False)
+    cluster = LocalKafkaCluster(brokers=brokers, data_dir=data_dir, die_with_parent=False, security=security)
     try:
         cluster.start()
         cluster.wait_healthy()
@@ -68,10 +72,13 @@ def start(brokers: int, as_json: bool, state_file: Path | None) -> None:
         fail(str(exc))
     state.parent.mkdir(parents=True, exist_ok=True)
     cluster.save_state(state)
+    properties = LocalKafkaCluster.client_properties_path(state) if security else None
     if as_json:
-        emit_json(cluster.describe())
+        emit_json({**cluster.describe(), "client_properties": str(properties) if properties else None})
     else:
         click.echo(f"Kafka {KAFKA_VERSION} cluster running: bootstrap servers {cluster.bootstrap_servers}")
+        if properties is not None:
+            click.echo(f"secured ({security}); the super user's client settings: --config {properties}")
         click.echo(f"stop it with: reliable-kafka cluster stop --state-file {state}")
 
 
@@ -105,5 +112,6 @@ def stop(state_file: Path | None) -> None:
     cluster = LocalKafkaCluster.attach(state)
     cluster.stop(graceful=True)
     shutil.rmtree(state.parent / "cluster-data", ignore_errors=True)
+    LocalKafkaCluster.client_properties_path(state).unlink(missing_ok=True)
     state.unlink()
     click.echo("cluster stopped")

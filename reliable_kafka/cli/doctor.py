@@ -34,7 +34,7 @@ def doctor(bootstrap_servers: str | None, config_file: Path | None, overrides: t
         if local is None:
             fail("give --bootstrap-servers or bootstrap.servers in --config (no local cluster is running)")
             return
-        conf["bootstrap.servers"] = local.bootstrap_servers
+        conf = {**local.client_config(), **conf}  # a secured local cluster: log in as its super user
     where = conf["bootstrap.servers"]
     try:
         # A short socket timeout unless the user chose one: an unreachable cluster is said within seconds.

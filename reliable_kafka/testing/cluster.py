@@ -125,6 +125,11 @@ def _cluster_id() -> str:
             return cid
 
 
+def _read_properties(path: Path) -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+    return {k.strip(): v.strip() for k, v in pairs}
+
+
 def _prop(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -589,14 +594,31 @@ class LocalKafkaCluster:
         }
 
     def save_state(self, path: str | os.PathLike[str]) -> None:
-        Path(path).write_text(json.dumps(self.describe(), indent=2))
+        """Write describe() to `path`; on a secured cluster also the super user's client settings, to a
+        properties file beside it that only its owner may read (its path is in the state, never the secrets)."""
+        state = self.describe()
+        if self.security is not None:
+            properties = self.client_properties_path(path)
+            properties.touch(mode=0o600)
+            properties.chmod(0o600)
+            properties.write_text("".join(f"{k}={_prop(v)}\n" for k, v in self.client_config().items()))
+            state["client_properties"] = str(properties)
+        Path(path).write_text(json.dumps(state, indent=2))
+
+    @staticmethod
+    def client_properties_path(state: str | os.PathLike[str]) -> Path:
+        """Where save_state(state) puts the super user's client settings: `--config` for the CLI."""
+        return Path(state).with_name(Path(state).stem + "-admin.properties")
 
     @classmethod
     def attach(cls, path: str | os.PathLike[str]) -> LocalKafkaCluster:
         """Re-open a cluster started by another process from its state file (for `cluster stop|status`)."""
         state = json.loads(Path(path).read_text())
         cluster = cls(brokers=len(state["nodes"]), data_dir=state["data_dir"], cluster_id=state["cluster_id"],
-                      die_with_parent=False, controllers=state.get("controllers"))
+                      die_with_parent=False, controllers=state.get("controllers"), security=state.get("security"))
+        if state.get("client_properties"):
+            admin = _read_properties(Path(state["client_properties"]))
+            cluster._security = ClusterSecurity.restore(cluster.security, admin)
         for n in state["nodes"]:
             cluster.nodes[n["node_id"]] = KafkaNode(
                 n["node_id"], n["broker_port"], n["controller_port"], Path(n["directory"]), pid=n["pid"],

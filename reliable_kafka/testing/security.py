@@ -28,8 +28,9 @@ _MECHANISM = {"sasl-plain": "PLAIN", "sasl-scram": "SCRAM-SHA-512"}
 class ClusterSecurity:
     mode: str | None = None
     admin_password: str = field(default_factory=lambda: secrets.token_urlsafe(18), repr=False)
-    # Where the run's certificate lives (set by prepare()): the brokers' keystore and the PEM clients trust.
+    # The run's certificate (set by prepare(), or restore()): the brokers' keystore and the PEM clients trust.
     _keystore: Path | None = field(default=None, init=False, repr=False)
+    _ca: Path | None = field(default=None, init=False, repr=False)
     _keystore_password: str = field(default_factory=lambda: secrets.token_urlsafe(18), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,7 +55,16 @@ class ClusterSecurity:
     @property
     def ca_location(self) -> Path | None:
         """The PEM certificate a client trusts to verify the brokers (TLS modes, after prepare())."""
-        return None if self._keystore is None else self._keystore.with_suffix(".pem")
+        return self._ca
+
+    @classmethod
+    def restore(cls, mode: str | None, admin: dict[str, str]) -> ClusterSecurity:
+        """The security of a running cluster, from the admin client settings its state keeps (see
+        LocalKafkaCluster.save_state): enough to log in, not to restart it with new settings."""
+        restored = cls(mode, admin_password=admin.get("sasl.password", ""))
+        if admin.get("ssl.ca.location"):
+            restored._ca = Path(admin["ssl.ca.location"])
+        return restored
 
     def prepare(self, directory: Path, java: str) -> None:
         """Make what the brokers need before they start: for TLS, a key and certificate for 127.0.0.1.
@@ -77,7 +87,7 @@ class ClusterSecurity:
             if done.returncode != 0:
                 said = (done.stdout + done.stderr).replace(self._keystore_password, "***")
                 raise ClusterError(f"keytool could not make the cluster's TLS certificate: {said}")
-        self._keystore = keystore
+        self._keystore, self._ca = keystore, keystore.with_suffix(".pem")
 
     def broker_settings(self, users: dict[str, str]) -> dict[str, Any]:
         """server.properties entries for the client listener (named after its protocol)."""

@@ -1,5 +1,6 @@
 """`reliable-kafka doctor` against a real SASL/PLAIN cluster, logged in through --config or -X, and refused
-with a wrong password: it reports, and the password is printed nowhere.
+with a wrong password: it reports, and the password is printed nowhere. And `cluster start --security`:
+a SCRAM-over-TLS cluster that doctor audits as its super user.
 
 bench is not run here: its topics need three replicas and the producer's preflight refuses fewer, so it
 cannot run on this one-node cluster; tests/unit/test_cli_connection.py shows its workers get the settings.
@@ -80,3 +81,31 @@ def test_doctor_with_a_wrong_password_fails_clearly_and_never_prints_it(
     assert "check sasl.username and sasl.password" in stderr
     for secret in (wrong, PASSWORD):
         assert secret not in stdout and secret not in stderr
+
+
+def test_a_secured_cluster_started_by_the_cli_is_audited_as_its_super_user_without_showing_a_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`cluster start --security sasl-scram+tls`: SCRAM over TLS; the super user's settings go to a file
+    only its owner reads, which `doctor` uses by itself (and through --config); `cluster stop` removes it."""
+    _require_kafka()
+    state = tmp_path / "cluster.json"
+    monkeypatch.setenv("RK_CLUSTER_STATE", str(state))
+    runner = CliRunner()
+    started = runner.invoke(cli, ["cluster", "start", "--brokers", "1", "--security", "sasl-scram+tls", "--json"])
+    properties = LocalKafkaCluster.client_properties_path(state)
+    try:
+        assert started.exit_code == 0, started.stdout + started.stderr
+        assert json.loads(started.stdout)["client_properties"] == str(properties)
+        assert properties.stat().st_mode & 0o777 == 0o600
+        settings = dict(line.split("=", 1) for line in properties.read_text().splitlines())
+        assert settings["security.protocol"] == "SASL_SSL" and settings["sasl.mechanism"] == "SCRAM-SHA-512"
+        secret = settings["sasl.password"]
+        for code, stdout, stderr in (_doctor(), _doctor("--config", str(properties))):
+            _assert_reports(code, stdout, stderr)
+            assert secret not in stdout + stderr
+        assert secret not in started.stdout + started.stderr + state.read_text()
+    finally:
+        stopped = runner.invoke(cli, ["cluster", "stop"])
+    assert stopped.exit_code == 0, stopped.stdout + stopped.stderr
+    assert not properties.exists() and not state.exists()
