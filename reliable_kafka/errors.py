@@ -70,6 +70,20 @@ class ReliableKafkaError(Exception):
         self.topic = topic
         self.partition = partition
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Spark sends a task's exception to the driver pickled, and pickle rebuilds an exception by calling
+        # its class with `args` (the message): subclasses whose constructor takes other arguments
+        # (ConfigError(key, reason), TopicAuthorizationFailed(topic, operation), ...) would fail to
+        # unpickle. Rebuild from the message and the attributes instead.
+        return _rebuild, (type(self), self.args, self.__dict__)
+
+
+def _rebuild(cls: type[ReliableKafkaError], args: tuple[Any, ...], state: dict[str, Any]) -> ReliableKafkaError:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
 
 class InputRefused(ReliableKafkaError):
     """reliable_kafka refused a setting, a topic or a value before writing anything: fix it and call again."""
@@ -324,13 +338,16 @@ class TransactionalIdAuthorizationFailed(TransactionFailed, AuthorizationFailed)
     """The principal may not use `transactional_id` (TRANSACTIONAL_ID_AUTHORIZATION_FAILED): the
     transactional producer stopped; restart it once granted."""
 
-    def __init__(self, transactional_id: str, operation: str, reason: str) -> None:
+    def __init__(self, transactional_id: str, operation: str, reason: str, *, prefix: str | None = None) -> None:
+        # `prefix`: the ids are made per run (Spark: per write id and partition), so the grant is a prefix.
+        resource = (f"--transactional-id {prefix} --resource-pattern-type prefixed" if prefix
+                    else f"--transactional-id {transactional_id}")
         super().__init__(
             f"transactional.id {transactional_id!r}: not authorized to use it during {operation} ({reason}). "
             f"This instance stopped; its uncommitted work is redone after a restart. Grant the principal "
             f"Write and Describe on the transactional id (and Write on the output topics, Read on the group), "
             f"e.g. kafka-acls.sh --bootstrap-server <brokers> --add --allow-principal User:<name> "
-            f"--operation Write --operation Describe --transactional-id {transactional_id}",
+            f"--operation Write --operation Describe {resource}",
             code="TRANSACTIONAL_ID_AUTHORIZATION_FAILED",
         )
         self.transactional_id = transactional_id

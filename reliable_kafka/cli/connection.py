@@ -40,7 +40,7 @@ _NOT_FROM_TEXT = {
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class ConnectionInputError(ValueError):
+class _InputError(ValueError):
     """The connection input cannot be used; the message names the file, argument or key, never a secret."""
 
 
@@ -98,7 +98,7 @@ def parse_properties(text: str, source: str) -> dict[str, str]:
         if not line or line[0] in "#!":
             continue
         if line.endswith("\\"):
-            raise ConnectionInputError(f"{source} line {number}: continued lines (ending in \\) are not "
+            raise _InputError(f"{source} line {number}: continued lines (ending in \\) are not "
                                        "supported; put the setting on one line")
         # The key ends at the first '=', ':' or blank; one '=' or ':' (with blanks around it) may follow.
         end = next((i for i, c in enumerate(line) if c in "=:" or c.isspace()), len(line))
@@ -106,7 +106,7 @@ def parse_properties(text: str, source: str) -> dict[str, str]:
         if rest[:1] in ("=", ":"):
             rest = rest[1:]
         if not key:
-            raise ConnectionInputError(f"{source} line {number}: no key before the separator")
+            raise _InputError(f"{source} line {number}: no key before the separator")
         props[key] = rest.strip()
     return props
 
@@ -117,10 +117,10 @@ def read_properties(path: Path, label: str | None = None) -> dict[str, str]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConnectionInputError(f"connection config file {label} does not exist") from None
+        raise _InputError(f"connection config file {label} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConnectionInputError(f"cannot read connection config file {label}: {reason}") from None
+        raise _InputError(f"cannot read connection config file {label}: {reason}") from None
     return parse_properties(text, label)
 
 
@@ -136,7 +136,7 @@ def parse_overrides(args: Sequence[str]) -> dict[str, str]:
     for arg in args:
         key, sep, value = arg.partition("=")
         if not sep or not key.strip():
-            raise ConnectionInputError(f"-X expects key=value, got {_shown_arg(arg)!r}")
+            raise _InputError(f"-X expects key=value, got {_shown_arg(arg)!r}")
         out[key.strip()] = value.strip()
     return out
 
@@ -149,11 +149,11 @@ def _canonical(layer: Mapping[str, str]) -> dict[str, str]:
 def _check_keys(layer: Mapping[str, str], source: str) -> None:
     for key in layer:
         if key in _NOT_FROM_TEXT:
-            raise ConnectionInputError(f"{source}: {key} {_NOT_FROM_TEXT[key]}")
+            raise _InputError(f"{source}: {key} {_NOT_FROM_TEXT[key]}")
     refused = sorted(set(layer) - set(connection_settings(layer)))
     if refused:
         what = "is not a connection setting" if len(refused) == 1 else "are not connection settings"
-        raise ConnectionInputError(
+        raise _InputError(
             f"{source}: {', '.join(refused)} {what}; "
             "the command picks its own safe producer and consumer settings, so only where and how to connect "
             "is taken (bootstrap.servers, security.protocol, sasl.*, ssl.*, socket.*, client.*, ...)")
@@ -177,7 +177,7 @@ def resolve(bootstrap_servers: str | None, config_file: Path | None, overrides: 
     """The merged connection settings, or None when nothing was given (the command's own default applies).
 
     The file is --config, else the one RELIABLE_KAFKA_CONFIG names in `environ` (default: os.environ;
-    empty: no fallback). Raises ConnectionInputError.
+    empty: no fallback). Raises _InputError.
     """
     env = os.environ if environ is None else environ
     source = config_file
@@ -202,7 +202,7 @@ def connection_config(bootstrap_servers: str | None, config_file: Path | None, o
         if conf is not None:
             hide_secrets_in_client_logs(conf)
         return conf
-    except ConnectionInputError as exc:
+    except _InputError as exc:
         fail(str(exc), code=code)
     raise AssertionError("unreachable")
 

@@ -25,6 +25,7 @@ from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.errors import (
     ConfigError,
     PartitionWriteFailed,
+    TransactionalIdAuthorizationFailed,
     TransactionFenced,
     WriteRefused,
 )
@@ -305,9 +306,13 @@ def _rk_id(msg: Any) -> str:
 # ---- exactly_once -------------------------------------------------------------------------------
 
 
+# Every transactional.id of the exactly_once writer starts with it: the grant is one prefixed ACL.
+TRANSACTIONAL_ID_PREFIX = "rk-spark-"
+
+
 def transactional_id(write_id: str, partition: int) -> str:
     """One per (write id, Spark partition), never per attempt: a new attempt fences the old one."""
-    return f"rk-spark-{write_id}-{partition}"
+    return f"{TRANSACTIONAL_ID_PREFIX}{write_id}-{partition}"
 
 
 class _ExactlyOnce:
@@ -492,6 +497,11 @@ class _ExactlyOnce:
         if kafka_errors.is_fenced(exc, self.fatal.seen(self.producer)):
             return TransactionFenced(f"{reason}; a newer attempt of this partition took over",
                                      code=kafka_errors.name_of(exc))
+        if kafka_errors.code_of(exc) == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
+            # Every retry of the task is refused alike: say which grant the job's principal needs.
+            return TransactionalIdAuthorizationFailed(
+                transactional_id(self.options.write_id, self.partition), what, kafka_errors.describe(exc),
+                prefix=TRANSACTIONAL_ID_PREFIX)
         if kafka_errors.classify(exc) is Disposition.ABORTABLE:
             return PartitionWriteFailed(
                 f"{reason}; the chunk was aborted and a retry resumes after the last committed one"

@@ -31,14 +31,10 @@ PASSWORD = "sentinel-" + uuid.uuid4().hex
 def secured() -> Iterator[LocalKafkaCluster]:
     """One node: the login happens on every broker alike."""
     _require_kafka()
-    cluster = LocalKafkaCluster(brokers=1, jvm_options=QUICK_START_JVM_OPTIONS, security="sasl-plain",
-                                users={CAROL: PASSWORD})
-    cluster.start()
-    try:
+    with LocalKafkaCluster(brokers=1, jvm_options=QUICK_START_JVM_OPTIONS, security="sasl-plain",
+                           users={CAROL: PASSWORD}) as cluster:
         cluster.wait_healthy()
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _doctor(*args: str, verbose: bool = False) -> tuple[int, str, str]:

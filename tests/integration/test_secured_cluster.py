@@ -1,4 +1,4 @@
-"""LocalKafkaCluster(security="sasl-scram"): real SASL/SCRAM-SHA-512 authentication and real ACLs (Kafka's
+"""LocalKafkaCluster(security="sasl-scram+tls"): real SASL/SCRAM-SHA-512 over TLS and real ACLs (Kafka's
 StandardAuthorizer) on the real jars (SASL/PLAIN: tests/integration/test_cli_secured.py). A wrong password
 is refused as such, a principal without ACLs sees and writes nothing, and what it sent is delivered once
 it is granted Describe and Write."""
@@ -39,20 +39,18 @@ from tests.fixtures.kafka import _require_kafka
 pytestmark = pytest.mark.cluster
 
 ALICE = "alice-" + uuid.uuid4().hex[:6]
+SENTINEL = "sentinel-" + uuid.uuid4().hex  # ALICE's password: grepped for in everything a run writes
 
 
 @pytest.fixture(scope="module")
 def secured() -> Iterator[LocalKafkaCluster]:
-    """One node is enough: authentication and authorization happen on every broker alike."""
+    """One node is enough: authentication and authorization happen on every broker alike. SCRAM over TLS
+    (SASL_SSL), as production clusters run."""
     _require_kafka()
-    cluster = LocalKafkaCluster(brokers=1, jvm_options=QUICK_START_JVM_OPTIONS, security="sasl-scram",
-                                users={ALICE: uuid.uuid4().hex})
-    cluster.start()
-    try:
+    with LocalKafkaCluster(brokers=1, jvm_options=QUICK_START_JVM_OPTIONS, security="sasl-scram+tls",
+                           users={ALICE: SENTINEL}) as cluster:
         cluster.wait_healthy()
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def _send_one(conf: dict[str, object], topic: str, value: bytes) -> KafkaError | None:
@@ -74,7 +72,8 @@ def test_the_harness_itself_is_the_super_user_and_its_secrets_stay_out_of_repr_a
     shown = repr(secured) + str(secured.describe())
     assert secured.client_config()["sasl.password"] not in shown
     assert secured.client_config(ALICE)["sasl.password"] not in shown
-    assert secured.describe()["security"] == "sasl-scram"
+    assert secured.describe()["security"] == "sasl-scram+tls"
+    assert secured.client_config()["security.protocol"] == "SASL_SSL"
 
 
 def test_a_wrong_password_is_refused_as_such_never_as_unreachable_and_never_shown(
@@ -303,3 +302,88 @@ def test_a_consumer_refused_its_group_says_which_grant_is_missing_and_reads_ever
     said = [r for r in caplog.records if r.name == "reliable_kafka.consumer.fetcher"
             and "GROUP_AUTHORIZATION_FAILED" in r.getMessage()]
     assert len(said) == 1, said  # once, not once per poll
+
+
+# Everything a secured application run writes, in one process of its own (so that its OpenTelemetry SDK
+# is its own): DEBUG logs of every logger including librdkafka's (debug=all), spans (console exporter),
+# the outbox and dedup files, the producer's and consumer's stats, doctor's findings.
+_SECRET_RUN = """
+import json, logging, os, sys, threading
+from pathlib import Path
+out = Path(sys.argv[1])
+logging.basicConfig(filename=out / "run.log", level=logging.DEBUG, format="%(name)s %(levelname)s %(message)s")
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import ConsoleSpanExporter, SimpleSpanProcessor
+spans = open(out / "spans.json", "w")
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=spans)))
+trace.set_tracer_provider(provider)
+from reliable_kafka import DedupPolicy, ReliableConsumer, ReliableProducer
+from reliable_kafka.admin import admin_client
+from reliable_kafka.dedup import SQLiteDedupStore
+from reliable_kafka.doctor import diagnose
+conf = json.loads(os.environ["SECRET_RUN_CONF"])
+topic, group = os.environ["SECRET_RUN_TOPIC"], os.environ["SECRET_RUN_GROUP"]
+loud = {**conf, "debug": "all"}
+with ReliableProducer(loud, outbox_path=out / "outbox.db", preflight="warn") as p:
+    p.send_many([(topic, f"v-{i}".encode()) for i in range(20)])
+    assert p.flush(60) == 0
+    (out / "producer-stats.json").write_text(json.dumps(dict(p.stats())))
+seen = []
+consumer = ReliableConsumer({**loud, "group.id": group}, [topic], dedup=DedupPolicy(SQLiteDedupStore(out / "dedup.db")))
+def handle(msg):
+    seen.append(msg.value())
+    if len(seen) == 20:
+        consumer.stop()
+threading.Timer(90, consumer.stop).start()
+consumer.run(handle)
+consumer.close()
+(out / "consumer-stats.json").write_text(json.dumps(dict(consumer.stats())))
+boot = conf.pop("bootstrap.servers")
+(out / "doctor.json").write_text(json.dumps([f.as_json() for f in diagnose(admin_client(boot, conf), timeout=10)]))
+spans.close()
+print(len(seen))
+"""
+
+
+def test_no_secret_shows_in_anything_a_secured_run_writes(secured: LocalKafkaCluster, tmp_path) -> None:
+    """A run as ALICE (password SENTINEL) logs at DEBUG with librdkafka's debug=all, traces every message,
+    keeps an outbox and a dedup file, reports stats and doctor findings: the password is in none of it,
+    nor in what `reliable-kafka doctor --json -vv` prints."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from reliable_kafka.cli.main import cli
+
+    topic, group = f"s-{uuid.uuid4().hex[:8]}", f"g-{uuid.uuid4().hex[:8]}"
+    secured.create_topic(topic, 1, 1)
+    _grant(secured, ALICE, topic, AclOperation.DESCRIBE, AclOperation.WRITE, AclOperation.READ)
+    bindings = [AclBinding(ResourceType.GROUP, group, ResourcePatternType.LITERAL, f"User:{ALICE}", "*",
+                           AclOperation.READ, AclPermissionType.ALLOW)]
+    for future in secured.admin().create_acls(bindings).values():
+        future.result(timeout=30)
+    conf = secured.client_config(ALICE)
+    assert conf["sasl.password"] == SENTINEL
+    # The settings reach the run through its environment, as a deployment's secret store hands them over.
+    env = {**os.environ, "SECRET_RUN_CONF": json.dumps(conf), "SECRET_RUN_TOPIC": topic, "SECRET_RUN_GROUP": group}
+    run = subprocess.run([sys.executable, "-c", _SECRET_RUN, str(tmp_path)], env=env, capture_output=True,
+                         text=True, timeout=240, check=False)
+    assert run.returncode == 0 and run.stdout.strip() == "20", run.stdout[-2000:] + run.stderr[-4000:]
+    properties = tmp_path / "client.properties"
+    properties.write_text("".join(f"{k}={v}\n" for k, v in conf.items()))
+    doctor = CliRunner().invoke(cli, ["-vv", "doctor", "--json", "--config", str(properties)])
+    assert doctor.exit_code in (0, 2), doctor.stdout + doctor.stderr
+    written = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file() and p != properties}
+    for name in ("run.log", "spans.json", "outbox.db", "dedup.db", "doctor.json"):
+        assert written.get(name), f"the run wrote no {name}"
+    # What is searched is what this test means to search: librdkafka's SASL chatter and per-message spans.
+    assert b"SASL" in written["run.log"] and written["spans.json"].count(f"{topic}".encode()) >= 20
+    shown = {**written, "stdout+stderr": (run.stdout + run.stderr).encode(),
+             "doctor": (doctor.stdout + doctor.stderr).encode()}
+    leaked = [name for name, data in shown.items() if SENTINEL.encode() in data]
+    assert leaked == [], f"the password shows in {leaked}"

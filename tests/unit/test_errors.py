@@ -90,6 +90,32 @@ def test_the_attributes_survive_pickling() -> None:
         errors.ReadIncomplete, "orders[2]: gone", "OFFSET_OUT_OF_RANGE", "orders", 2)
 
 
+@pytest.mark.parametrize("exc", [
+    errors.ConfigError("acks", "must be all"),
+    errors.TopicMissing("orders"),
+    errors.TopicAuthorizationFailed("orders", "Write"),
+    errors.ClusterAuthorizationFailed("IdempotentWrite"),
+    errors.GroupAuthorizationFailed("billing"),
+    errors.AuthenticationFailed("alice", "SCRAM-SHA-512", "invalid credentials"),
+    errors.TransactionalIdAuthorizationFailed("rk-spark-w-0", "init_transactions", "denied", prefix="rk-spark-"),
+    errors.MissingExtra("redis", "RedisDedupStore", "redis"),
+], ids=lambda exc: type(exc).__name__)
+def test_errors_whose_constructor_takes_other_arguments_survive_pickling_too(exc: Exception) -> None:
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is type(exc) and str(back) == str(exc) and vars(back) == vars(exc)
+
+
+def test_authorization_errors_name_the_grant_and_never_a_secret() -> None:
+    spark = errors.TransactionalIdAuthorizationFailed("rk-spark-w-0", "init_transactions", "denied", prefix="rk-spark-")
+    assert "--transactional-id rk-spark- --resource-pattern-type prefixed" in str(spark)
+    assert isinstance(spark, errors.TransactionFailed) and isinstance(spark, errors.AuthorizationFailed)
+    denied = errors.TopicAuthorizationFailed("orders", "Write")
+    assert "--operation Describe --operation Write --topic orders" in str(denied)
+    assert "--operation Read --group billing" in str(errors.GroupAuthorizationFailed("billing"))
+    login = errors.AuthenticationFailed("alice", "PLAIN", "invalid credentials")
+    assert (login.username, login.mechanism) == ("alice", "PLAIN") and "sasl.password" in str(login)
+
+
 def test_missing_extra_is_an_import_error_naming_the_module() -> None:
     exc = errors.MissingExtra("redis", "RedisDedupStore", "redis")
     assert isinstance(exc, ImportError) and exc.name == "redis"
