@@ -308,9 +308,12 @@ def test_a_consumer_refused_its_group_says_which_grant_is_missing_and_reads_ever
 # is its own): DEBUG logs of every logger including librdkafka's (debug=all), spans (console exporter),
 # the outbox and dedup files, the producer's and consumer's stats, doctor's findings.
 _SECRET_RUN = """
-import json, logging, os, sys, threading
+import json, logging, os, sys, threading, time
 from pathlib import Path
 out = Path(sys.argv[1])
+started = time.monotonic()
+def took(what):
+    print(f"{what}: {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
 logging.basicConfig(filename=out / "run.log", level=logging.DEBUG, format="%(name)s %(levelname)s %(message)s")
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -330,18 +333,24 @@ with ReliableProducer(loud, outbox_path=out / "outbox.db", preflight="warn") as 
     p.send_many([(topic, f"v-{i}".encode()) for i in range(20)])
     assert p.flush(60) == 0
     (out / "producer-stats.json").write_text(json.dumps(dict(p.stats())))
+took("produced")
 seen = []
 consumer = ReliableConsumer({**loud, "group.id": group}, [topic], dedup=DedupPolicy(SQLiteDedupStore(out / "dedup.db")))
 def handle(msg):
     seen.append(msg.value())
     if len(seen) == 20:
         consumer.stop()
-threading.Timer(90, consumer.stop).start()
+limit = threading.Timer(90, consumer.stop)
+limit.start()
 consumer.run(handle)
+limit.cancel()  # else the interpreter waits for it at exit
+took("consumed")
 consumer.close()
+took("consumer closed")
 (out / "consumer-stats.json").write_text(json.dumps(dict(consumer.stats())))
 boot = conf.pop("bootstrap.servers")
 (out / "doctor.json").write_text(json.dumps([f.as_json() for f in diagnose(admin_client(boot, conf), timeout=10)]))
+took("doctor")
 spans.close()
 print(len(seen))
 """

@@ -35,7 +35,8 @@ def test_an_exactly_once_write_and_a_group_read_over_scram_and_tls(spark, secure
     values = [f"row-{i}" for i in range(400)]
     df = spark.createDataFrame([(v[-3:], v) for v in values], "key string, value string").repartition(2)
 
-    result = write_kafka(df, bootstrap, topic, guarantee="exactly_once", num_partitions=2, options=login)
+    result = write_kafka(df, bootstrap, topic, guarantee="exactly_once", write_id=f"w-{uuid.uuid4().hex[:8]}",
+                         num_partitions=2, options=login)
     assert result.rows == len(values)
     group = f"g-{uuid.uuid4().hex[:8]}"
     with read_kafka(spark, bootstrap, subscribe=topic, group_id=group, options=login) as batch:
