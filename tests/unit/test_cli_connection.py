@@ -201,6 +201,7 @@ def test_bench_workers_get_the_settings_in_their_environment_not_their_command_l
     import subprocess
 
     from reliable_kafka.bench import common
+    from reliable_kafka.testing import child_connection
 
     seen: dict[str, object] = {}
 
@@ -212,8 +213,8 @@ def test_bench_workers_get_the_settings_in_their_environment_not_their_command_l
     conn = {"bootstrap.servers": "b:1", "sasl.password": SENTINEL}
     common.run_variant("producer", "raw", ["--topic", "t", "--messages", "1"], conn)
     assert SENTINEL not in " ".join(seen["argv"])  # type: ignore[arg-type]
-    monkeypatch.setenv(common.CONNECTION_ENV, seen["env"][common.CONNECTION_ENV])  # type: ignore[index]
-    assert common.connection_from_env() == conn
+    monkeypatch.setenv(child_connection.CONNECTION_ENV, seen["env"][child_connection.CONNECTION_ENV])  # type: ignore[index]
+    assert child_connection.connection_from_env() == conn
 
 
 def test_the_spark_bench_refuses_settings_its_java_baseline_cannot_take() -> None:
