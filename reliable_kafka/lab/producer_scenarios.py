@@ -303,18 +303,21 @@ def unclean_election(cluster: LocalKafkaCluster, progress: Progress) -> list[Sce
     return out
 
 
-def producer_crash(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
-    """Seed 001: the producing process dies (SIGKILL) with messages in its buffer, five times."""
+def producer_crash(cluster: LocalKafkaCluster, progress: Progress, *, kills: int = 5, messages: int = 30_000,
+                   between: tuple[int, int] = (1_000, 5_000)) -> list[ScenarioResult]:
+    """Seed 001: the producing process dies (SIGKILL) with messages in its buffer, `kills` times, each after
+    a random `between` more of its `messages` were accepted (a test runs it smaller than the lab does)."""
     name = "producer-crash"
     out = []
     rng = random.Random(5)
     for client in (CONTROL, RELIABLE):
-        progress(f"{client}: 5 SIGKILLs", 0.5 if client == RELIABLE else 0)
-        out.append(_producer_crash_once(cluster, name, client, rng))
+        progress(f"{client}: {kills} SIGKILLs", 0.5 if client == RELIABLE else 0)
+        out.append(_producer_crash_once(cluster, name, client, rng, kills=kills, messages=messages, between=between))
     return out
 
 
-def _producer_crash_once(cluster: LocalKafkaCluster, name: str, client: str, rng: random.Random) -> ScenarioResult:
+def _producer_crash_once(cluster: LocalKafkaCluster, name: str, client: str, rng: random.Random, *, kills: int,
+                         messages: int, between: tuple[int, int]) -> ScenarioResult:
     conn = cluster.client_config()
     started = time.monotonic()
     topic = topic_name(name, client)
@@ -326,11 +329,11 @@ def _producer_crash_once(cluster: LocalKafkaCluster, name: str, client: str, rng
         def start(first: int) -> subprocess.Popen[bytes]:
             return run_program("reliable_kafka.lab.programs.producer_proc", [
                 "--mode", mode, "--topic", topic, "--outbox", str(Path(d) / "outbox.db"),
-                "--start", str(first), "--end", "30000", "--ledger", str(ledger), "--status", str(status)], conn)
+                "--start", str(first), "--end", str(messages), "--ledger", str(ledger), "--status", str(status)], conn)
 
         # A random point mid-stream, by progress rather than time (a fast client would otherwise
-        # finish before its five kills): 1,000-5,000 more accepted, some of them not yet delivered.
-        crashes = sigkill_producer_mid_stream(start, ledger, status, kills=5, between=(1_000, 5_000), rng=rng,
+        # finish before its kills): `between` more accepted, some of them not yet delivered.
+        crashes = sigkill_producer_mid_stream(start, ledger, status, kills=kills, between=between, rng=rng,
                                               what=f"{name} ({client})")
     acked = [f"v-{i}".encode() for i in crashes.accepted]
     return count(name, client, acked, conn, topic, started, f"{crashes.kills} SIGKILLs")
