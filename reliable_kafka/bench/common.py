@@ -13,9 +13,11 @@ import resource
 import statistics
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from reliable_kafka.testing.child_connection import Connection, child_env
 
 # (benchmark, variant) -> the ratio vs its baseline that DESIGN.md §6 asks for.
 TARGETS: dict[tuple[str, str], float] = {
@@ -104,36 +106,15 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-# A variant's process gets the connection settings in its environment, not on its command line: every user
-# of the host can read a command line (ps), and the settings may carry a password.
-CONNECTION_ENV = "RK_BENCH_CONNECTION"
-
-# What every benchmark client is given: where the brokers are and how to log in (bootstrap.servers, sasl.*,
-# ssl.*, ...), the same for every producer, consumer and admin client of a run, baselines included.
-Connection = Mapping[str, Any]
-
-
-def variant_env(connection: Connection) -> dict[str, str]:
-    """The environment of a variant's process: this one's, plus the connection settings."""
-    return {**os.environ, "PYTHONUNBUFFERED": "1", CONNECTION_ENV: json.dumps(dict(connection))}
-
-
-def connection_from_env() -> dict[str, Any]:
-    """The connection settings run_variant() gave this process."""
-    raw = os.environ.get(CONNECTION_ENV)
-    if not raw:
-        raise SystemExit(f"{CONNECTION_ENV} is not set: a benchmark variant is started by `reliable-kafka bench`, "
-                         'or by hand with RK_BENCH_CONNECTION=\'{"bootstrap.servers": "host:port"}\'')
-    connection: dict[str, Any] = json.loads(raw)
-    return connection
-
-
 def run_variant(bench: str, variant: str, args: Sequence[str], connection: Connection,
                 timeout: float = 1800) -> dict[str, Any]:
-    """Run `python -m reliable_kafka.bench.worker BENCH VARIANT ARGS` and return its JSON result."""
+    """Run `python -m reliable_kafka.bench.worker BENCH VARIANT ARGS` and return its JSON result.
+
+    `connection` reaches the variant in its environment, never on its command line (testing.child_connection).
+    """
     proc = subprocess.run(
         [sys.executable, "-m", "reliable_kafka.bench.worker", bench, variant, *args],
-        capture_output=True, text=True, timeout=timeout, env=variant_env(connection), check=False,
+        capture_output=True, text=True, timeout=timeout, env=child_env(connection), check=False,
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:

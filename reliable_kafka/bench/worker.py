@@ -21,8 +21,9 @@ from confluent_kafka import Consumer, Producer
 
 from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.bench import calls
-from reliable_kafka.bench.common import Connection, connection_from_env, peak_rss_mb
+from reliable_kafka.bench.common import peak_rss_mb
 from reliable_kafka.ids import ID_HEADER, new_ids
+from reliable_kafka.testing.child_connection import Connection, connection_from_env
 from reliable_kafka.testing.loop_stall import LoopStallProbe
 
 VALUE = b"x" * 100

@@ -2,7 +2,8 @@
 
 Uses the running `reliable-kafka cluster` (or the one --bootstrap-servers names), else starts (and stops)
 a local real cluster: the lab injects faults by signalling broker processes, so it cannot use a foreign
-cluster, and its scenarios connect with bootstrap.servers alone (no SASL/TLS settings yet).
+cluster. Every client of a run, controls included, connects with that cluster's own settings
+(`client_config()`: on a secured cluster, its super user's login from the state), never with others.
 """
 
 from __future__ import annotations
@@ -17,44 +18,53 @@ import click
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from reliable_kafka.cli.cluster import default_state_file
-from reliable_kafka.cli.connection import connection_config, connection_options, running_cluster
+from reliable_kafka.cli.connection import (
+    connection_config,
+    connection_options,
+    hide_secrets_in_client_logs,
+    running_cluster,
+)
 from reliable_kafka.cli.output import check_writable, console, emit_json, fail, table
 from reliable_kafka.cli.runlog import chatter_to_file
 from reliable_kafka.errors import ClusterError
 from reliable_kafka.extras import EXTRAS, missing_modules
-from reliable_kafka.lab.base import CONTROL, RELIABLE, Scenario, ScenarioResult
+from reliable_kafka.lab.base import CONTROL, OPEN_CLUSTER, RELIABLE, Scenario, ScenarioResult
 from reliable_kafka.lab.registry import scenarios
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 
 log = logging.getLogger(__name__)
 
 
-def _lab_bootstrap(conf: dict[str, str] | None) -> str | None:
-    """The brokers the lab was pointed at; any other connection setting is refused, not ignored.
+def unused_settings(given: dict[str, str] | None, cluster: LocalKafkaCluster) -> list[str]:
+    """The keys of `given` (--config, -X) that differ from the cluster's own client settings: refused, not ignored.
 
-    The scenarios build their clients (in this process and in the programs they crash) from the cluster's
-    bootstrap servers alone, and a cluster the lab can break is one `reliable-kafka cluster start` runs,
-    which is open: a login given here would be used by no client.
+    The lab's clients log in with the cluster's own settings (its super user's, restored from the state
+    of `reliable-kafka cluster start`), so a setting is accepted only when it says the same, as the
+    cluster's own properties file does; any other login or tuning would be used by no client. Keys only,
+    never values: they may be secrets.
     """
-    extra = sorted(k for k in conf or {} if k != "bootstrap.servers")
-    if extra:
-        fail(f"the lab connects to its local cluster with bootstrap.servers only; it cannot use "
-             f"{', '.join(extra)} (security settings are for `doctor` and `bench`)", code=2)
-    return None if conf is None else conf.get("bootstrap.servers")
+    own = {k: str(v) for k, v in cluster.client_config().items()}
+    return sorted(k for k, v in (given or {}).items() if k != "bootstrap.servers" and own.get(k) != v)
 
 
-def _cluster_for(bootstrap: str | None, state_file: Path | None, brokers: int) -> tuple[LocalKafkaCluster, bool]:
+def _cluster_for(given: dict[str, str] | None, state_file: Path | None,
+                 brokers: int) -> tuple[LocalKafkaCluster, bool]:
     """The cluster to break, and whether the lab started it (and so must stop it).
 
     Without --bootstrap-servers a running `reliable-kafka cluster` is used: a second cluster beside it
-    would halve what each gets of the host's cores and memory.
+    would halve what each gets of the host's cores and memory. `given` (--config, -X) must agree with the
+    cluster's own settings (see unused_settings), checked before the brokers are asked anything.
     """
+    bootstrap = None if given is None else given.get("bootstrap.servers")
     if bootstrap is None:
         running = running_cluster(state_file)
         if running is None:
-            return LocalKafkaCluster(brokers=brokers, controllers=3), True
+            cluster = LocalKafkaCluster(brokers=brokers, controllers=3)
+            _refuse_unused(given, cluster)
+            return cluster, True
         bootstrap = running.bootstrap_servers
-        console.print(f"using the running local cluster at {bootstrap}")
+        console.print(f"using the running local cluster at {bootstrap}"
+                      + (f" ({running.security}, as its super user)" if running.security else ""))
     state = state_file or default_state_file()
     if not state.exists():
         fail(f"the lab injects faults by signalling broker processes, so it needs a cluster started with "
@@ -63,11 +73,22 @@ def _cluster_for(bootstrap: str | None, state_file: Path | None, brokers: int) -
     if set(bootstrap.split(",")) & set(cluster.bootstrap_servers.split(",")) == set():
         fail(f"{bootstrap} is not the local cluster in {state} ({cluster.bootstrap_servers}); the lab can only "
              "break a cluster whose broker processes it can signal", code=NO_CLUSTER)
+    _refuse_unused(given, cluster)
     try:
         cluster.registered_brokers(timeout=10)
     except ClusterError as exc:
         fail(f"brokers at {bootstrap} are unreachable: {exc}", code=NO_CLUSTER)
     return cluster, False
+
+
+def _refuse_unused(given: dict[str, str] | None, cluster: LocalKafkaCluster) -> None:
+    refused = unused_settings(given, cluster)
+    if refused:
+        own = "its super user's, from the state" if cluster.security else "an open cluster's: no login"
+        fail(f"the lab's clients connect with the cluster's own settings ({own}); {', '.join(refused)} "
+             f"{'differs' if len(refused) == 1 else 'differ'} from them and would be used by no client: "
+             "drop --config/-X, or give the cluster's own settings file (the --config `cluster start` printed)",
+             code=2)
 
 
 # Exit codes, documented in docs/cli.md#lab: the lab's value is that its verdicts are true. A cluster that
@@ -127,13 +148,18 @@ def lab(names: tuple[str, ...], bootstrap_servers: str | None, config_file: Path
     chosen = [s for s in wanted if s.name not in skipped]
     check_writable(json_path)
     # RELIABLE_KAFKA_CONFIG names the user's own cluster, which the lab never breaks: only explicit options.
-    bootstrap = _lab_bootstrap(connection_config(bootstrap_servers, config_file, overrides, code=2, use_env=False))
+    given = connection_config(bootstrap_servers, config_file, overrides, code=2, use_env=False)
     results: list[ScenarioResult] = []
     errored: dict[str, str] = {}
     started = time.monotonic()
     if chosen:
         needs_five = any("5-node cluster" in s.needs for s in chosen)
-        cluster, owned = _cluster_for(bootstrap, state_file, 5 if needs_five else 3)
+        cluster, owned = _cluster_for(given, state_file, 5 if needs_five else 3)
+        hide_secrets_in_client_logs(cluster.client_config())
+        if cluster.security is not None:
+            for s in [s for s in chosen if OPEN_CLUSTER in s.needs]:
+                skipped[s.name] = f"needs an open cluster: its control cannot log in to this {cluster.security} one"
+                chosen.remove(s)
         if needs_five and max(len(cluster.nodes), cluster.brokers if owned else 0) < 5:
             fail(f"unclean-election needs 5 nodes (3 controllers + 2 broker-only), the cluster at "
                  f"{cluster.bootstrap_servers} has {len(cluster.nodes)}: `reliable-kafka cluster stop` and let the "

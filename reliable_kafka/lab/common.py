@@ -1,5 +1,9 @@
 """Shared pieces of lab scenarios: unique topics, the bare control producer, the independent reader
-and the counting of what was lost and duplicated (before and after dedup by rk-id)."""
+and the counting of what was lost and duplicated (before and after dedup by rk-id).
+
+Every client here and in the programs a scenario starts is given the cluster's whole connection
+(`cluster.client_config()`: its login too, on a secured cluster), controls included.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from confluent_kafka import Producer
 from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.ids import message_id_of
 from reliable_kafka.lab.base import CONTROL, RELIABLE, ScenarioResult
+from reliable_kafka.testing.child_connection import Connection, child_env
 from reliable_kafka.testing.cluster import LocalKafkaCluster, consume_all
 from reliable_kafka.testing.verify import verdict
 
@@ -35,7 +40,7 @@ class StreamProgress:
     acked: list[bytes] = field(default_factory=list)
 
 
-def bare_produce(bootstrap: str, topic: str, values: Sequence[bytes], *, rate: float | None = None,
+def bare_produce(connection: Connection, topic: str, values: Sequence[bytes], *, rate: float | None = None,
                  progress: StreamProgress | None = None, **conf: Any) -> list[bytes]:
     """The control client: plain confluent-kafka; returns the values whose delivery report said success.
 
@@ -53,7 +58,7 @@ def bare_produce(bootstrap: str, topic: str, values: Sequence[bytes], *, rate: f
         if err is None:
             acked.append(msg.value())
 
-    p = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, **conf})
+    p = Producer({**connection, "linger.ms": 5, **conf})
     for i, v in enumerate(values):
         produce_when_room(p, topic, v, on_delivery=on_delivery)
         progress.produced = i + 1
@@ -66,11 +71,18 @@ def bare_produce(bootstrap: str, topic: str, values: Sequence[bytes], *, rate: f
     return acked
 
 
+def read_back(connection: Connection, topic: str, *, isolation_level: str = "read_committed") -> list[Any]:
+    """Every record of `topic`, read by an independent reader (no group) that logs in as `connection` says."""
+    return list(consume_all(connection["bootstrap.servers"], topic, isolation_level=isolation_level,
+                            config=connection))
+
+
 def count(
-    name: str, client: str, acked: Iterable[bytes], bootstrap: str, topic: str, started: float, detail: str = ""
+    name: str, client: str, acked: Iterable[bytes], connection: Connection, topic: str, started: float,
+    detail: str = "",
 ) -> ScenarioResult:
     """Read the topic back with an independent read_committed reader and count."""
-    msgs = list(consume_all(bootstrap, topic))
+    msgs = read_back(connection, topic)
     return result_from(name, client, acked, [(m.value(), message_id_of(m.headers())) for m in msgs], started,
                        detail)
 
@@ -100,10 +112,11 @@ def result_from(
     )
 
 
-def run_program(module: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
-    """Start one of reliable_kafka.lab.programs as a child process (only it is ever signalled)."""
+def run_program(module: str, args: Sequence[str], connection: Connection) -> subprocess.Popen[bytes]:
+    """Start one of reliable_kafka.lab.programs as a child process (only it is ever signalled); it gets
+    `connection` in its environment, never in `args` (see testing.child_connection)."""
     return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=subprocess.DEVNULL, env=child_env(connection))
 
 
 def ledger_entries(path: Path) -> list[tuple[bytes, str | None]]:
@@ -117,5 +130,5 @@ def ledger_entries(path: Path) -> list[tuple[bytes, str | None]]:
     return out
 
 
-__all__ = ["CONTROL", "RELIABLE", "LocalKafkaCluster", "bare_produce", "count", "result_from", "run_program",
-           "topic_name", "ledger_entries"]
+__all__ = ["CONTROL", "RELIABLE", "Connection", "LocalKafkaCluster", "bare_produce", "count", "ledger_entries",
+           "read_back", "result_from", "run_program", "topic_name"]

@@ -19,7 +19,7 @@ from confluent_kafka import Producer
 
 from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.lab.base import CONTROL, RELIABLE, Progress, Scenario, ScenarioResult
-from reliable_kafka.lab.common import ledger_entries, result_from, run_program, topic_name
+from reliable_kafka.lab.common import Connection, ledger_entries, result_from, run_program, topic_name
 from reliable_kafka.lab.programs.status import GroupOffsets, MemberStatus
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 from reliable_kafka.testing.gates import fire_when
@@ -99,11 +99,11 @@ def kill_loop(
             child.wait()
 
 
-def _fill(bootstrap: str, topic: str, n: int, prefix: str = "v") -> list[bytes]:
+def _fill(connection: Connection, topic: str, n: int, prefix: str = "v") -> list[bytes]:
     from reliable_kafka.ids import ID_HEADER, new_ids
 
     values = [f"{prefix}-{i}".encode() for i in range(n)]
-    p = Producer({"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 10})
+    p = Producer({**connection, "acks": "all", "enable.idempotence": True, "linger.ms": 10})
     for v, mid in zip(values, new_ids(n), strict=True):
         produce_when_room(p, topic, v, headers=[(ID_HEADER, mid.encode())])
     p.flush(60)
@@ -112,14 +112,14 @@ def _fill(bootstrap: str, topic: str, n: int, prefix: str = "v") -> list[bytes]:
 
 def _run_client(cluster: LocalKafkaCluster, progress: Progress, client: str, rng: random.Random) -> ScenarioResult:
     name = "consumer-crash"
-    bs = cluster.bootstrap_servers
+    conn = cluster.client_config()
     started = time.monotonic()
     topic = topic_name(name, client)
     cluster.create_topic(topic, PARTITIONS, 3)
-    values = _fill(bs, topic, MESSAGES)
+    values = _fill(conn, topic, MESSAGES)
     group = f"lab-{uuid.uuid4().hex[:8]}"
     mode = "reliable" if client == RELIABLE else "control"
-    with tempfile.TemporaryDirectory() as d, GroupOffsets(bs, group, topic, PARTITIONS) as offsets:
+    with tempfile.TemporaryDirectory() as d, GroupOffsets(conn, group, topic, PARTITIONS) as offsets:
         ledger, status_file = Path(d) / "ledger", Path(d) / "status.json"
         lives = [0]
 
@@ -128,11 +128,12 @@ def _run_client(cluster: LocalKafkaCluster, progress: Progress, client: str, rng
             progress(f"{client}: kill {kills}/{KILLS}", (0.5 if client == RELIABLE else 0) + kills / 12)
             lives[0] += 1
             return run_program("reliable_kafka.lab.programs.consumer_proc", [
-                "--mode", mode, "--bootstrap", bs, "--topic", topic, "--group", group, "--ledger", str(ledger),
-                "--sleep-ms", "0.5", "--instance-id", "lab-member", "--idle", "5", "--status-file", str(status_file)])
+                "--mode", mode, "--topic", topic, "--group", group, "--ledger", str(ledger),
+                "--sleep-ms", "0.5", "--instance-id", "lab-member", "--idle", "5", "--status-file", str(status_file)],
+                conn)
 
         def top_up() -> None:  # only if a kill's condition did not come: the member ran out of input
-            values.extend(_fill(bs, topic, 2_000, prefix=f"v{len(values)}"))
+            values.extend(_fill(conn, topic, 2_000, prefix=f"v{len(values)}"))
 
         kills, _ = kill_loop(spawn, what=f"the {mode} member", bite=BITES[mode], status_file=status_file,
                              offsets=offsets, kills=KILLS, rng=rng, min_handled=(200, 2_000), top_up=top_up,

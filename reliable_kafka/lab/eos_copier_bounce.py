@@ -29,9 +29,10 @@ from reliable_kafka.config import consumer_config, producer_config
 from reliable_kafka.errors import TransactionFailed, TransactionFenced
 from reliable_kafka.ids import ID_HEADER, message_id_of, new_ids
 from reliable_kafka.lab.base import CONTROL, RELIABLE, Progress, Scenario, ScenarioResult
-from reliable_kafka.lab.common import result_from, topic_name
+from reliable_kafka.lab.common import read_back, result_from, topic_name
 from reliable_kafka.retry import retry_kafka_call
-from reliable_kafka.testing.cluster import LocalKafkaCluster, consume_all, uncommitted_records
+from reliable_kafka.testing.child_connection import Connection, child_env, connection_from_env, connection_of
+from reliable_kafka.testing.cluster import LocalKafkaCluster, uncommitted_records
 from reliable_kafka.testing.gates import Feeder, fire_when, wait_drained
 from reliable_kafka.transactions import CommitInfo, OutputRecord, TransactionalProcessor
 
@@ -166,8 +167,8 @@ class _Reporter:
                    partitions=sorted(p for _, p in self._latest))
 
 
-def _end_offsets(bootstrap: str, topic: str) -> dict[tuple[str, int], int]:
-    probe = Consumer({"bootstrap.servers": bootstrap, "group.id": f"rk-probe-{uuid.uuid4().hex[:8]}"})
+def _end_offsets(cluster: str | Connection, topic: str) -> dict[tuple[str, int], int]:
+    probe = Consumer({**connection_of(cluster), "group.id": f"rk-probe-{uuid.uuid4().hex[:8]}"})
 
     def ends() -> dict[tuple[str, int], int]:
         meta = probe.list_topics(topic, timeout=30).topics[topic]
@@ -186,11 +187,12 @@ def _end_offsets(bootstrap: str, topic: str) -> dict[tuple[str, int], int]:
 def copier_main(argv: Sequence[str] | None = None) -> int:
     """The copier child: `python -m reliable_kafka.lab.eos_copier_bounce --mode eos|control ...`.
 
-    Stops gracefully on SIGTERM (exit 0); exits 3 when fenced, 4 on another transactional failure.
+    Stops gracefully on SIGTERM (exit 0); exits 3 when fenced, 4 on another transactional failure. Its
+    connection settings come in its environment (CopierProcess puts them there), or --bootstrap alone.
     """
     ap = argparse.ArgumentParser(description=copier_main.__doc__)
     ap.add_argument("--mode", choices=["eos", "control"], required=True)
-    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--bootstrap", help="the brokers of an open cluster (default: from the environment)")
     ap.add_argument("--input", required=True)
     ap.add_argument("--output", required=True)
     ap.add_argument("--group", required=True)
@@ -207,7 +209,8 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s {args.instance} %(levelname)s %(name)s: %(message)s")
 
-    reporter = _Reporter(_end_offsets(args.bootstrap, args.input))
+    connection = connection_from_env(args.bootstrap)
+    reporter = _Reporter(_end_offsets(connection, args.input))
     # max.poll.interval.ms is also the group's rebalance timeout: a member that does not rejoin (blocked in
     # a transactional call while a coordinator moves) holds every other member's partitions for that long.
     # 60 s, just above the processor's retry deadline for one call, keeps a bounce from stalling the copy
@@ -220,13 +223,13 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
     copier: TransactionalProcessor | AtLeastOnceCopier
     if args.mode == "control":
         copier = AtLeastOnceCopier(
-            {"bootstrap.servers": args.bootstrap}, group_id=args.group, input_topic=args.input,
+            connection, group_id=args.group, input_topic=args.input,
             output_topic=args.output, delay_s=delay, consumer_overrides=consumer_overrides,
             on_commit=reporter.committed,
         )
     else:
         copier = TransactionalProcessor(
-            {"bootstrap.servers": args.bootstrap, "group.id": args.group},
+            {**connection, "group.id": args.group},
             input_topics=[args.input],
             transform=copy_transform(args.output, delay),
             transactional_id=f"{args.group}-{args.instance}",
@@ -260,12 +263,14 @@ class CopierProcess:
     Its JSON events come on stdout. With `log_path`, its stderr and any other stdout line go to that file
     (appended, one file across restarts, with a line at each start, kill and stop), so a failed test can
     show what each copier said; without it, stderr is inherited. Only the pid this object started is
-    ever signalled.
+    ever signalled. `connection` (a secured cluster's login) reaches the child in its environment, never
+    in `args`.
     """
 
     def __init__(self, args: Sequence[str], *, module: str = __name__, name: str = "copier",
-                 log_path: str | os.PathLike[str] | None = None) -> None:
+                 log_path: str | os.PathLike[str] | None = None, connection: Connection | None = None) -> None:
         self.name = name
+        self._connection = connection
         self.kills = 0
         self._argv = [sys.executable, "-m", module, *args]
         self._log_path = Path(log_path) if log_path is not None else None
@@ -278,7 +283,7 @@ class CopierProcess:
         self.stop_overran = False  # the last stop() had to SIGKILL: the graceful stop took too long
 
     def start(self) -> None:
-        env = dict(os.environ)
+        env = dict(os.environ) if self._connection is None else child_env(self._connection)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
         with self._lock:
             self._progress = 0.0
@@ -377,11 +382,11 @@ class CopierProcess:
         return proc.returncode
 
 
-def group_lags(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+def group_lags(cluster: str | Connection, group: str, topic: str) -> dict[int, int]:
     """Per partition of `topic`, the records `group` has not committed yet (stable offsets: open
-    transactions resolved)."""
-    ends = _end_offsets(bootstrap, topic)
-    probe = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "isolation.level": "read_committed",
+    transactions resolved). `cluster`: the connection settings, or an open cluster's bootstrap servers."""
+    ends = _end_offsets(cluster, topic)
+    probe = Consumer({**connection_of(cluster), "group.id": group, "isolation.level": "read_committed",
                       "enable.auto.commit": False})
     try:
         parts = [TopicPartition(t, p) for t, p in ends]
@@ -394,9 +399,9 @@ def group_lags(bootstrap: str, group: str, topic: str) -> dict[int, int]:
     return {p: end - done.get(p, 0) for (_, p), end in ends.items()}
 
 
-def group_lag(bootstrap: str, group: str, topic: str) -> int:
+def group_lag(cluster: str | Connection, group: str, topic: str) -> int:
     """Records of `topic` that `group` has not committed yet (stable offsets: open transactions resolved)."""
-    return sum(group_lags(bootstrap, group, topic).values())
+    return sum(group_lags(cluster, group, topic).values())
 
 
 def kill_rounds(
@@ -429,13 +434,13 @@ def kill_rounds(
             yield copier
 
 
-def seed_input(bootstrap: str, topic: str, n: int, *, start: int = 0, keys: int = 50) -> list[bytes]:
+def seed_input(cluster: str | Connection, topic: str, n: int, *, start: int = 0, keys: int = 50) -> list[bytes]:
     """Append n unique values "k<key>:<seq>" keyed by k<key>, each with its own rk-id, to `topic`.
 
     Values number on from `start`, so topping up the input keeps every key's sequence increasing.
     """
     values = [f"k{i % keys:03d}:{i // keys:06d}".encode() for i in range(start, start + n)]
-    producer = Producer(producer_config({"bootstrap.servers": bootstrap, "linger.ms": 20}))
+    producer = Producer(producer_config({**connection_of(cluster), "linger.ms": 20}))
     for value, mid in zip(values, new_ids(n), strict=True):
         produce_when_room(producer, topic, value, value.split(b":")[0], headers=[(ID_HEADER, mid.encode())])
     if producer.flush(60):
@@ -450,15 +455,15 @@ class FedSource:
     threads feed (a Feeder, and fire_when re-arming); `values` is a snapshot of all that was fed.
     """
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        self.bootstrap, self.topic = bootstrap, topic
+    def __init__(self, cluster: str | Connection, topic: str) -> None:
+        self.cluster, self.topic = cluster, topic
         self._values: list[bytes] = []
         self._feeding = threading.Lock()  # one chunk at a time: numbering and offsets in the same order
         self._lock = threading.Lock()  # the list itself: a snapshot does not wait for a chunk to be sent
 
     def feed(self, n: int) -> None:
         with self._feeding:
-            chunk = seed_input(self.bootstrap, self.topic, n, start=len(self._values))
+            chunk = seed_input(self.cluster, self.topic, n, start=len(self._values))
             with self._lock:
                 self._values += chunk
 
@@ -472,9 +477,9 @@ class FedSource:
 
 
 def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
-    bs = cluster.bootstrap_servers
+    conn = cluster.client_config()
     started = time.monotonic()
-    source = FedSource(bs, topic_name(NAME, "input"))
+    source = FedSource(conn, topic_name(NAME, "input"))
     cluster.create_topic(source.topic, 2)
     progress("seeding the input", 0.02)
     source.feed(MESSAGES)
@@ -484,29 +489,29 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
         cluster.create_topic(output, 3)
         group = f"lab-{NAME}-{client}-{uuid.uuid4().hex[:6]}"
         copier = CopierProcess(
-            ["--mode", mode, "--bootstrap", bs, "--input", source.topic, "--output", output, "--group", group,
+            ["--mode", mode, "--input", source.topic, "--output", output, "--group", group,
              "--instance", "copier-0", "--delay-ms", "1.5", "--static-membership"],
-            name=f"{client}-copier",
+            name=f"{client}-copier", connection=conn,
         )
         runs[client] = (output, group, copier)
     copiers = [copier for _, _, copier in runs.values()]
     of_copier = {copier: (client, output, group) for client, (output, group, copier) in runs.items()}
 
     def unfinished() -> int:
-        return sum(group_lag(bs, group, source.topic) for _, group, _ in runs.values())
+        return sum(group_lag(conn, group, source.topic) for _, group, _ in runs.values())
 
     def mid_copy(copier: CopierProcess) -> bool:
         # A kill proves something only while the copier has work left; the exactly-once copier's kill is
         # aimed at a moment when its output holds records of its open transaction (it is the only writer).
         client, output, group = of_copier[copier]
-        if group_lag(bs, group, source.topic) == 0:
+        if group_lag(conn, group, source.topic) == 0:
             return False
-        return client != RELIABLE or uncommitted_records(bs, output) > 0
+        return client != RELIABLE or uncommitted_records(conn["bootstrap.servers"], output, config=conn) > 0
 
     # Both copiers read the same input: the one furthest ahead decides when to top it up. The copy cannot
     # finish before the last kill, however fast or slow this machine is.
     feeder = Feeder(lambda: source.feed(TOP_UP),
-                    lambda: min(group_lag(bs, group, source.topic) for _, group, _ in runs.values()),
+                    lambda: min(group_lag(conn, group, source.topic) for _, group, _ in runs.values()),
                     low=LOW_WATER, poll_s=0.3, max_top_ups=100, max_seconds=300, name=f"{NAME}-feeder")
     try:
         for copier in copiers:
@@ -532,13 +537,13 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
     values = source.values
     results = []
     for client, (output, group, copier) in runs.items():
-        seen = [(m.value(), message_id_of(m.headers())) for m in consume_all(bs, output)]
+        seen = [(m.value(), message_id_of(m.headers())) for m in read_back(conn, output)]
         detail = f"{copier.kills} copier SIGKILLs mid-copy (each at >=20% progress, input left) of {len(values)} " \
                  f"records fed"
         if left:  # said in the verdict, so a stalled copier's backlog is not read as records it lost
-            detail += f"; the copier stalled with {group_lag(bs, group, source.topic)} input records uncommitted"
+            detail += f"; the copier stalled with {group_lag(conn, group, source.topic)} input records uncommitted"
         if client == RELIABLE:
-            everything = sum(1 for _ in consume_all(bs, output, isolation_level="read_uncommitted"))
+            everything = len(read_back(conn, output, isolation_level="read_uncommitted"))
             detail += f"; {everything - len(seen)} records of aborted transactions hidden from read_committed"
         results.append(result_from(NAME, client, values, seen, started, detail))
     return results

@@ -41,14 +41,14 @@ def _values(prefix: str, n: int) -> list[bytes]:
 
 
 def _reliable(cluster: LocalKafkaCluster, workdir: Path, name: str) -> ReliableProducer:
-    return ReliableProducer({"bootstrap.servers": cluster.bootstrap_servers, "message.timeout.ms": 120_000},
+    return ReliableProducer({**cluster.client_config(), "message.timeout.ms": 120_000},
                             outbox_path=workdir / f"{name}.db")
 
 
 def acks1_leader_loss(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
     """Seed 000: the leader acknowledges alone (followers stalled), then dies; a follower takes over."""
     name = "acks1-leader-loss"
-    bs = cluster.bootstrap_servers
+    conn = cluster.client_config()
     out = []
     runs = 0
 
@@ -61,8 +61,8 @@ def acks1_leader_loss(cluster: LocalKafkaCluster, progress: Progress) -> list[Sc
         ctopic = topic_name(name, CONTROL)
         cluster.create_topic(ctopic, 1, 3, {"min.insync.replicas": 1})
         with isolated_leader(cluster, ctopic):
-            acked = bare_produce(bs, ctopic, _values("c", 2000), **_ACKS1)
-        return count(name, CONTROL, acked, bs, ctopic, started, f"run {runs} of the recipe")
+            acked = bare_produce(conn, ctopic, _values("c", 2000), **_ACKS1)
+        return count(name, CONTROL, acked, conn, ctopic, started, f"run {runs} of the recipe")
 
     progress("control: leader isolated, acks=1", 0.1)
     out.append(until_it_bites(control, lambda r: r.lost > 0, what=f"{name}: control"))
@@ -82,7 +82,7 @@ def acks1_leader_loss(cluster: LocalKafkaCluster, progress: Progress) -> list[Sc
             for i in range(200, len(values), 200):
                 p.send_many([(rtopic, v) for v in values[i:i + 200]])
         p.flush(120)
-    out.append(count(name, RELIABLE, values, bs, rtopic, started))
+    out.append(count(name, RELIABLE, values, conn, rtopic, started))
     return out
 
 
@@ -95,7 +95,7 @@ def leader_hard_bounce(cluster: LocalKafkaCluster, progress: Progress) -> list[S
     4 s a round) so the gates have a window to see. Both clients get the same fault.
     """
     name = "leader-hard-bounce"
-    bs = cluster.bootstrap_servers
+    conn = cluster.client_config()
     out = []
     for client in (CONTROL, RELIABLE):
         started = time.monotonic()
@@ -116,7 +116,7 @@ def leader_hard_bounce(cluster: LocalKafkaCluster, progress: Progress) -> list[S
                 producer.flush(120)
                 producer.close()
                 acked = sent
-        out.append(count(name, client, acked, bs, topic, started))
+        out.append(count(name, client, acked, conn, topic, started))
     return out
 
 
@@ -144,13 +144,13 @@ def _control_bounce(cluster: LocalKafkaCluster, topic: str, prefix: str) -> list
     a restarted broker still loads) kept it still while the leader acknowledged the whole stream. The
     followers stall once 2,000 are acknowledged; the kill waits for 2,000 more, which only the leader has.
     """
-    bs = cluster.bootstrap_servers
+    conn = cluster.client_config()
     streams: list[tuple[StreamProgress, threading.Thread]] = []
 
     def stream() -> None:
         prog = StreamProgress()
         values = _values(f"{prefix}-{len(streams)}", 20_000)
-        t = threading.Thread(target=bare_produce, args=(bs, topic, values),
+        t = threading.Thread(target=bare_produce, args=(conn, topic, values),
                              kwargs={"rate": _RATE, "progress": prog, **_ACKS1}, daemon=True,
                              name=f"control-stream-{len(streams)}")
         streams.append((prog, t))
@@ -199,7 +199,7 @@ def leader_pause(cluster: LocalKafkaCluster, progress: Progress) -> list[Scenari
 
 
 def _leader_pause_once(cluster: LocalKafkaCluster, name: str, client: str, detail: str = "") -> ScenarioResult:
-    bs = cluster.bootstrap_servers
+    conn = cluster.client_config()
     started = time.monotonic()
     topic = topic_name(name, client)
     cluster.create_topic(topic, 1, 3, {"min.insync.replicas": 1 if client == CONTROL else 2})
@@ -213,7 +213,7 @@ def _leader_pause_once(cluster: LocalKafkaCluster, name: str, client: str, detai
             producer.flush(60)
         with followers_paused(cluster, topic) as iso:
             if producer is None:
-                acked = bare_produce(bs, topic, values, **_ACKS1)
+                acked = bare_produce(conn, topic, values, **_ACKS1)
             else:
                 for i in range(200, len(values), 200):
                     producer.send_many([(topic, v) for v in values[i:i + 200]])
@@ -232,7 +232,7 @@ def _leader_pause_once(cluster: LocalKafkaCluster, name: str, client: str, detai
             producer.flush(120)
             producer.close()
             acked = values
-    return count(name, client, acked, bs, topic, started, detail)
+    return count(name, client, acked, conn, topic, started, detail)
 
 
 def unclean_election(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
@@ -243,7 +243,7 @@ def unclean_election(cluster: LocalKafkaCluster, progress: Progress) -> list[Sce
     node 1 comes back and (unclean) becomes leader without the acknowledged records.
     """
     name = "unclean-election"
-    bs = cluster.bootstrap_servers
+    conn = cluster.client_config()
     if len(cluster.nodes) < 5:
         raise RuntimeError("unclean-election needs a cluster with 5 nodes (3 controllers + 2 brokers)")
     out = []
@@ -277,7 +277,7 @@ def unclean_election(cluster: LocalKafkaCluster, progress: Progress) -> list[Sce
                 cluster.wait_isr(topic, 0, {4, 5}, timeout=60)
                 if producer is None:
                     conf: dict[str, Any] = {"acks": "all", "enable.idempotence": True}
-                    acked = bare_produce(bs, topic, values, **conf)
+                    acked = bare_produce(conn, topic, values, **conf)
                 else:
                     producer.send_many([(topic, v) for v in values])
                     producer.flush(60)
@@ -299,23 +299,26 @@ def unclean_election(cluster: LocalKafkaCluster, progress: Progress) -> list[Sce
                 producer.flush(60)
                 producer.close()
                 acked = values
-        out.append(count(name, client, acked, bs, topic, started, detail))
+        out.append(count(name, client, acked, conn, topic, started, detail))
     return out
 
 
-def producer_crash(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
-    """Seed 001: the producing process dies (SIGKILL) with messages in its buffer, five times."""
+def producer_crash(cluster: LocalKafkaCluster, progress: Progress, *, kills: int = 5, messages: int = 30_000,
+                   between: tuple[int, int] = (1_000, 5_000)) -> list[ScenarioResult]:
+    """Seed 001: the producing process dies (SIGKILL) with messages in its buffer, `kills` times, each after
+    a random `between` more of its `messages` were accepted (a test runs it smaller than the lab does)."""
     name = "producer-crash"
     out = []
     rng = random.Random(5)
     for client in (CONTROL, RELIABLE):
-        progress(f"{client}: 5 SIGKILLs", 0.5 if client == RELIABLE else 0)
-        out.append(_producer_crash_once(cluster, name, client, rng))
+        progress(f"{client}: {kills} SIGKILLs", 0.5 if client == RELIABLE else 0)
+        out.append(_producer_crash_once(cluster, name, client, rng, kills=kills, messages=messages, between=between))
     return out
 
 
-def _producer_crash_once(cluster: LocalKafkaCluster, name: str, client: str, rng: random.Random) -> ScenarioResult:
-    bs = cluster.bootstrap_servers
+def _producer_crash_once(cluster: LocalKafkaCluster, name: str, client: str, rng: random.Random, *, kills: int,
+                         messages: int, between: tuple[int, int]) -> ScenarioResult:
+    conn = cluster.client_config()
     started = time.monotonic()
     topic = topic_name(name, client)
     cluster.create_topic(topic, 3, 3)
@@ -325,15 +328,15 @@ def _producer_crash_once(cluster: LocalKafkaCluster, name: str, client: str, rng
 
         def start(first: int) -> subprocess.Popen[bytes]:
             return run_program("reliable_kafka.lab.programs.producer_proc", [
-                "--mode", mode, "--bootstrap", bs, "--topic", topic, "--outbox", str(Path(d) / "outbox.db"),
-                "--start", str(first), "--end", "30000", "--ledger", str(ledger), "--status", str(status)])
+                "--mode", mode, "--topic", topic, "--outbox", str(Path(d) / "outbox.db"),
+                "--start", str(first), "--end", str(messages), "--ledger", str(ledger), "--status", str(status)], conn)
 
         # A random point mid-stream, by progress rather than time (a fast client would otherwise
-        # finish before its five kills): 1,000-5,000 more accepted, some of them not yet delivered.
-        crashes = sigkill_producer_mid_stream(start, ledger, status, kills=5, between=(1_000, 5_000), rng=rng,
+        # finish before its kills): `between` more accepted, some of them not yet delivered.
+        crashes = sigkill_producer_mid_stream(start, ledger, status, kills=kills, between=between, rng=rng,
                                               what=f"{name} ({client})")
     acked = [f"v-{i}".encode() for i in crashes.accepted]
-    return count(name, client, acked, bs, topic, started, f"{crashes.kills} SIGKILLs")
+    return count(name, client, acked, conn, topic, started, f"{crashes.kills} SIGKILLs")
 
 
 SCENARIOS = [

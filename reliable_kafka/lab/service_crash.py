@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from reliable_kafka.lab.base import CONTROL, RELIABLE, Progress, Scenario, ScenarioResult
-from reliable_kafka.lab.common import count, topic_name
+from reliable_kafka.lab.common import Connection, count, topic_name
 from reliable_kafka.outbox.pool import pool_status
+from reliable_kafka.testing.child_connection import child_env, connection_of
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 from reliable_kafka.testing.gates import fire_when, wait_for
 
@@ -70,17 +71,19 @@ class Service:
     """The uvicorn server under test: a master we start in its own process group, and its workers.
 
     Only processes of that group are signalled: a worker only while its parent is our current master,
-    the whole group when the server is killed.
+    the whole group when the server is killed. `cluster` (the connection settings, or an open cluster's
+    bootstrap servers) reaches the workers in their environment, never on their command line.
     """
 
-    def __init__(self, mode: str, bootstrap: str, topic: str, workdir: Path, log_path: Path | None) -> None:
+    def __init__(self, mode: str, cluster: str | Connection, topic: str, workdir: Path,
+                 log_path: Path | None) -> None:
         self.mode = mode
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.status_dir = workdir / "status"
         self.status_dir.mkdir()
         self.outbox_dir = workdir / "outbox"
-        self._env = {**os.environ, "RK_LAB_MODE": mode, "RK_LAB_BOOTSTRAP": bootstrap, "RK_LAB_TOPIC": topic,
+        self._env = {**child_env(connection_of(cluster)), "RK_LAB_MODE": mode, "RK_LAB_TOPIC": topic,
                      "RK_LAB_STATUS_DIR": str(self.status_dir), "RK_LAB_OUTBOX_DIR": str(self.outbox_dir)}
         self._log_path = log_path
         self.master: subprocess.Popen[bytes] | None = None
@@ -259,13 +262,13 @@ def inject(service: Service, load: LoadGenerator, *, faults: Sequence[str], betw
 
 def _faulted_run(cluster: LocalKafkaCluster, name: str, client: str, rng: random.Random, *, faults: Sequence[str],
                  between: tuple[int, int], workers: int, log_path: Path | None) -> ScenarioResult:
-    bs = cluster.bootstrap_servers
+    conn = cluster.client_config()
     started = time.monotonic()
     topic = topic_name(name, client)
     cluster.create_topic(topic, 3, 3, {"min.insync.replicas": 2})
     mode = "reliable" if client == RELIABLE else "control"
     with tempfile.TemporaryDirectory() as d:
-        service = Service(mode, bs, topic, Path(d), log_path)
+        service = Service(mode, conn, topic, Path(d), log_path)
         load = LoadGenerator(service.url, client[0], CONCURRENCY)
         try:
             service.start(workers)
@@ -281,17 +284,17 @@ def _faulted_run(cluster: LocalKafkaCluster, name: str, client: str, rng: random
                 load.stop()
             service.kill()
         if client == RELIABLE:
-            done.notes += _drain_leftovers(bs, service.outbox_dir)
+            done.notes += _drain_leftovers(conn, service.outbox_dir)
     detail = "; ".join([f"{done.kills} worker SIGKILLs (victims held {done.held} unconfirmed)", *done.notes,
                         f"{load.failed} requests without a 200"])
-    return count(name, client, load.acked, bs, topic, started, detail)
+    return count(name, client, load.acked, conn, topic, started, detail)
 
 
 def _pool_pending(outbox_dir: Path) -> int:
     return sum(s.pending or 0 for s in pool_status(outbox_dir)) if outbox_dir.is_dir() else 0
 
 
-def _drain_leftovers(bootstrap: str, outbox_dir: Path) -> list[str]:
+def _drain_leftovers(connection: Connection, outbox_dir: Path) -> list[str]:
     """What the service's own shutdown did not deliver (e.g. a slot adopted when the shutdown came) is
     delivered by a new producer of the pool, as the next deployment would; said in the detail."""
     from reliable_kafka.producer import ReliableProducer
@@ -299,7 +302,7 @@ def _drain_leftovers(bootstrap: str, outbox_dir: Path) -> list[str]:
     left = _pool_pending(outbox_dir)
     if not left:
         return []
-    with ReliableProducer({"bootstrap.servers": bootstrap}, outbox_dir=outbox_dir):
+    with ReliableProducer(dict(connection), outbox_dir=outbox_dir):
         drained = wait_for(lambda: _pool_pending(outbox_dir) == 0, timeout_s=120, poll_s=0.5)
     return [f"{left} left pending at shutdown, delivered by a new producer of the pool"
             + ("" if drained else " (not all within 120s)")]

@@ -3,6 +3,7 @@ writing half of their rows, and Spark retries them.
 
 Spark's own Kafka sink (the control) writes those rows a second time; the reliable_kafka writer with
 exactly_once writes every row once, and with at_least_once its copies carry one rk-id, so its dedup reader drops them.
+Open clusters only: the control is Spark's Kafka sink, a Java client that takes no librdkafka login.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import time
 import uuid
 from typing import Any
 
-from reliable_kafka.lab.base import CONTROL, RELIABLE, Progress, Scenario, ScenarioResult
+from reliable_kafka.errors import ClusterError
+from reliable_kafka.lab.base import CONTROL, OPEN_CLUSTER, RELIABLE, Progress, Scenario, ScenarioResult
 from reliable_kafka.lab.common import count, result_from, topic_name
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 
@@ -39,7 +41,10 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
     from reliable_kafka.spark.faults import fail_attempts
     from reliable_kafka.spark.local import local_session
 
-    bootstrap = cluster.bootstrap_servers
+    if cluster.security is not None:
+        raise ClusterError(f"{NAME} runs on an open cluster only (its control, Spark's Kafka sink, is a Java client "
+                           "that takes no librdkafka login); this one is secured")
+    bootstrap, conn = cluster.bootstrap_servers, cluster.client_config()
     progress("starting Spark", 0.0)
     spark = local_session(app_name="reliable-kafka-lab")
     spark.sparkContext.setLogLevel("FATAL")  # the injected task failures are expected: keep their traces quiet
@@ -58,7 +63,7 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
         df.write.format("kafka").option("kafka.bootstrap.servers", bootstrap).option("topic", topic).mode(
             "append"
         ).save()
-        results.append(count(NAME, CONTROL, values, bootstrap, topic, started,
+        results.append(count(NAME, CONTROL, values, conn, topic, started,
                              "Spark's Kafka sink: retried tasks write their rows again, without an rk-id"))
 
         progress("reliable_kafka: exactly_once", 0.4)
@@ -68,7 +73,7 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
         df, values = failing(topic)
         write_kafka(df, bootstrap, topic, guarantee="exactly_once", write_id=f"lab-{uuid.uuid4().hex[:12]}",
                     num_partitions=PARTITIONS)
-        results.append(count(NAME, RELIABLE, values, bootstrap, topic, started,
+        results.append(count(NAME, RELIABLE, values, conn, topic, started,
                              "exactly_once: a retry resumes after its committed chunks (read_committed)"))
 
         progress("reliable_kafka: at_least_once + dedup reader", 0.7)
@@ -77,7 +82,7 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
         cluster.create_topic(topic, 3)
         df, values = failing(topic)
         write_kafka(df, bootstrap, topic, guarantee="at_least_once", write_id=f"lab-{uuid.uuid4().hex[:12]}")
-        raw = count(NAME, RELIABLE, values, bootstrap, topic, started,
+        raw = count(NAME, RELIABLE, values, conn, topic, started,
                     "at_least_once: copies share an rk-id; dups after dedup counted by the Spark dedup reader")
         deduped = read_kafka(spark, bootstrap, subscribe=topic, dedup_by_rk_id=True).df.select("value").collect()
         after = result_from(NAME, RELIABLE, values, [(r.value, None) for r in deduped], started)
@@ -95,5 +100,5 @@ SCENARIO = Scenario(
     "Kafka sink duplicates them, reliable_kafka exactly_once writes each row once (at_least_once: copies share "
     "an rk-id)",
     run=run,
-    needs=("spark",),
+    needs=("spark", OPEN_CLUSTER),
 )

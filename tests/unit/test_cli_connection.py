@@ -181,17 +181,44 @@ def test_doctor_on_unreachable_brokers_with_a_login_never_prints_the_password(
     _assert_never_shown(out, caplog)
 
 
-def test_the_lab_refuses_a_login_it_cannot_use_and_ignores_the_environment(
+def _secured_state(tmp_path: Path) -> Path:
+    """The state `cluster start --security sasl-scram+tls` leaves (one node on 127.0.0.1:1, not running)."""
+    from reliable_kafka.testing.cluster import KafkaNode, LocalKafkaCluster
+
+    cluster = LocalKafkaCluster(brokers=1, security="sasl-scram+tls", data_dir=tmp_path / "data")
+    cluster.nodes[1] = KafkaNode(1, 1, 2, tmp_path / "data" / "node-1")
+    cluster.save_state(tmp_path / "cluster.json")
+    return tmp_path / "cluster.json"
+
+
+def test_the_lab_refuses_a_login_other_than_the_clusters_own_and_ignores_the_environment(
     secret_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    code, out = _invoke("lab", "acks1-leader-loss", "--config", str(secret_file))
-    assert code == 2 and "bootstrap.servers only" in out and "sasl.password" in out, out
+    state = _secured_state(tmp_path)
+    # Another user's login would be used by no client: refused, naming the keys, before any broker is asked.
+    code, out = _invoke("lab", "acks1-leader-loss", "--state-file", str(state), "--config", str(secret_file))
+    flat = out.replace("\n", " ")
+    assert code == 2 and "sasl.password, sasl.username differ" in flat, out
     _assert_never_shown(out, caplog)
     # RELIABLE_KAFKA_CONFIG names the user's own cluster: the lab does not read it (and so does not refuse it)
     code, out = _invoke("lab", "acks1-leader-loss", "--bootstrap-servers", "127.0.0.1:1",
                         "--state-file", str(tmp_path / "none.json"), env={CONFIG_ENV: str(secret_file)})
     assert code == 4 and "reliable-kafka cluster start" in out
+
+
+def test_the_lab_accepts_the_clusters_own_settings_file_and_nothing_else(tmp_path: Path) -> None:
+    from reliable_kafka.cli.connection import read_properties
+    from reliable_kafka.cli.lab import unused_settings
+    from reliable_kafka.testing.cluster import LocalKafkaCluster
+
+    state = _secured_state(tmp_path)
+    cluster = LocalKafkaCluster.attach(state)
+    own = read_properties(LocalKafkaCluster.client_properties_path(state))
+    assert unused_settings(own, cluster) == []
+    assert unused_settings({**own, "client.id": "x"}, cluster) == ["client.id"]
+    # The cluster the lab starts itself is open: a login for it is refused too.
+    assert unused_settings({"security.protocol": "SASL_SSL"}, LocalKafkaCluster()) == ["security.protocol"]
 
 
 def test_bench_workers_get_the_settings_in_their_environment_not_their_command_line(
@@ -200,6 +227,7 @@ def test_bench_workers_get_the_settings_in_their_environment_not_their_command_l
     import subprocess
 
     from reliable_kafka.bench import common
+    from reliable_kafka.testing import child_connection
 
     seen: dict[str, object] = {}
 
@@ -211,8 +239,8 @@ def test_bench_workers_get_the_settings_in_their_environment_not_their_command_l
     conn = {"bootstrap.servers": "b:1", "sasl.password": SENTINEL}
     common.run_variant("producer", "raw", ["--topic", "t", "--messages", "1"], conn)
     assert SENTINEL not in " ".join(seen["argv"])  # type: ignore[arg-type]
-    monkeypatch.setenv(common.CONNECTION_ENV, seen["env"][common.CONNECTION_ENV])  # type: ignore[index]
-    assert common.connection_from_env() == conn
+    monkeypatch.setenv(child_connection.CONNECTION_ENV, seen["env"][child_connection.CONNECTION_ENV])  # type: ignore[index]
+    assert child_connection.connection_from_env() == conn
 
 
 def test_the_spark_bench_refuses_settings_its_java_baseline_cannot_take() -> None:

@@ -4,6 +4,7 @@ It appends each value it finished handling, with its rk-id, to a ledger file (on
 is exactly what was processed when it died. It exits by itself after `--idle` seconds without
 records. SIGTERM asks the consumer to stop gracefully. `--status-file` publishes its progress (see
 status.py) for the fault gates; its log (stderr) says what it was assigned, handled and committed.
+The connection settings come in the environment (see testing.child_connection), or --bootstrap alone.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from confluent_kafka import Consumer, Message
 from reliable_kafka.consumer import CommitPolicy, ReliableConsumer
 from reliable_kafka.ids import message_id_of
 from reliable_kafka.lab.programs.status import LOG_FORMAT, Progress
+from reliable_kafka.testing.child_connection import connection_from_env
 
 log = logging.getLogger("reliable_kafka.lab.member")
 
@@ -27,7 +29,7 @@ log = logging.getLogger("reliable_kafka.lab.member")
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["reliable", "control"], required=True)
-    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--bootstrap", help="the brokers of an open cluster (default: from the environment)")
     ap.add_argument("--topic", required=True)
     ap.add_argument("--group", required=True)
     ap.add_argument("--ledger", required=True)
@@ -47,7 +49,7 @@ def main() -> int:
         open(args.ready_file, "w").close()  # noqa: SIM115 - an empty marker
 
     ledger = open(args.ledger, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
-    conf = {"bootstrap.servers": args.bootstrap, "group.id": args.group, "session.timeout.ms": 6000,
+    conf = {**connection_from_env(args.bootstrap), "group.id": args.group, "session.timeout.ms": 6000,
             "heartbeat.interval.ms": 1000}
     if args.instance_id:
         conf["group.instance.id"] = args.instance_id

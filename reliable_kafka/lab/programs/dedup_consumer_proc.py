@@ -24,6 +24,7 @@ from confluent_kafka import Message
 
 from reliable_kafka.consumer import CommitPolicy, DedupPolicy, ReliableConsumer
 from reliable_kafka.lab.programs.status import LOG_FORMAT, Progress
+from reliable_kafka.testing.child_connection import connection_from_env
 
 log = logging.getLogger("reliable_kafka.lab.member")
 
@@ -44,7 +45,7 @@ def _sqlite_effects(path: str) -> sqlite3.Connection:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", choices=["sqlite", "redis", "none"], required=True)
-    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--bootstrap", help="the brokers of an open cluster (default: from the environment)")
     ap.add_argument("--topic", required=True)
     ap.add_argument("--group", required=True)
     ap.add_argument("--db", help="SQLite file: the dedup store and its effects table (or the control's effects)")
@@ -59,7 +60,7 @@ def main() -> int:
     log.info("member of %s on %s starting (store %s, instance %s)", args.group, args.topic, args.store,
              args.instance_id)
 
-    conf: dict[str, Any] = {"bootstrap.servers": args.bootstrap, "group.id": args.group,
+    conf: dict[str, Any] = {**connection_from_env(args.bootstrap), "group.id": args.group,
                             "session.timeout.ms": 6000, "heartbeat.interval.ms": 1000}
     if args.instance_id:
         conf["group.instance.id"] = args.instance_id

@@ -6,7 +6,8 @@ what the application believed was safe when it died. The async modes do the same
 tasks at once (`await send()` of AsyncReliableProducer; `await produce()` of confluent-kafka's
 AIOProducer, or produce() of a plain Producer where AIOProducer is missing), and fsync each line.
 With --status it also keeps, in that file, how many accepted messages are not delivered yet: a kill
-gated on it always catches some in flight.
+gated on it always catches some in flight. The connection settings come in the environment (the lab's
+login on a secured cluster, see testing.child_connection), or --bootstrap alone for an open cluster.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from confluent_kafka import Producer
 
 from reliable_kafka import AsyncReliableProducer, Message, ReliableProducer
+from reliable_kafka.testing.child_connection import connection_from_env
 
 
 def _publish_pending(path: str | None, pending: int) -> None:
@@ -33,7 +36,7 @@ def _publish_pending(path: str | None, pending: int) -> None:
     os.replace(f"{path}.tmp", path)
 
 
-async def _run_async(args: argparse.Namespace) -> int:
+async def _run_async(args: argparse.Namespace, connection: dict[str, Any]) -> int:
     """Many tasks, each sending the next index and recording it (write + fsync) once the send returned."""
     fd = os.open(args.ledger, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     indexes = iter(range(args.start, args.end))
@@ -48,7 +51,7 @@ async def _run_async(args: argparse.Namespace) -> int:
                 _publish_pending(args.status, pending())
 
     if args.mode == "async":
-        producer = AsyncReliableProducer({"bootstrap.servers": args.bootstrap, "linger.ms": 20},
+        producer = AsyncReliableProducer({**connection, "linger.ms": 20},
                                          outbox_path=args.outbox, preflight="off")
         await producer.start()
 
@@ -60,7 +63,7 @@ async def _run_async(args: argparse.Namespace) -> int:
         _publish_pending(args.status, remaining)
         logging.info("closed with %d undelivered", remaining)
         return 0 if remaining == 0 else 3
-    conf = {"bootstrap.servers": args.bootstrap, "acks": "all", "linger.ms": 20}
+    conf = {**connection, "acks": "all", "linger.ms": 20}
     try:
         from confluent_kafka.aio import AIOProducer
     except ImportError:  # an older confluent-kafka: the plain Producer, produce() returning at once
@@ -90,7 +93,7 @@ async def _run_async(args: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["reliable", "control", "async", "async-control"], required=True)
-    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--bootstrap", help="the brokers of an open cluster (default: from the environment)")
     ap.add_argument("--topic", required=True)
     ap.add_argument("--outbox")
     ap.add_argument("--start", type=int, required=True)
@@ -105,12 +108,13 @@ def main() -> int:
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     logging.info("%s producer: indexes %d..%d to %s", args.mode, args.start, args.end - 1, args.topic)
 
+    connection = connection_from_env(args.bootstrap)
     if args.mode in ("async", "async-control"):
-        return asyncio.run(_run_async(args))
+        return asyncio.run(_run_async(args, connection))
     ledger = open(args.ledger, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     if args.mode == "reliable":
         producer = ReliableProducer(
-            {"bootstrap.servers": args.bootstrap, "linger.ms": 20}, outbox_path=args.outbox, preflight="off"
+            {**connection, "linger.ms": 20}, outbox_path=args.outbox, preflight="off"
         )
         for start in range(args.start, args.end, args.batch):
             idx = range(start, min(start + args.batch, args.end))
@@ -123,7 +127,7 @@ def main() -> int:
         _publish_pending(args.status, remaining)
         logging.info("closed with %d undelivered", remaining)
         return 0 if remaining == 0 else 3
-    control = Producer({"bootstrap.servers": args.bootstrap, "acks": "all", "linger.ms": 20})
+    control = Producer({**connection, "acks": "all", "linger.ms": 20})
     for i in range(args.start, args.end):
         control.produce(args.topic, f"v-{i}".encode())
         control.poll(0)

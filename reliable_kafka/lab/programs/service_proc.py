@@ -6,7 +6,8 @@ a 200 means the message is durable in the worker's slot. "control": confluent-ka
 acks=all, answering once `await produce()` returned, as services built on it do: the message is then in
 its buffer, and its delivery a future nobody awaits. Every worker keeps RK_LAB_STATUS_DIR/worker-<pid>.json
 (replaced atomically every 50 ms) saying its pid, its parent's and how many accepted messages it holds
-unconfirmed, so the lab can aim a SIGKILL at a worker that holds some.
+unconfirmed, so the lab can aim a SIGKILL at a worker that holds some. The connection settings (the lab's
+login on a secured cluster) come in the environment, see testing.child_connection.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from fastapi import FastAPI, Response
 
 from reliable_kafka import AsyncReliableProducer
+from reliable_kafka.testing.child_connection import connection_from_env
 
 log = logging.getLogger("reliable_kafka.lab.service")
 
@@ -42,14 +44,14 @@ def _publish(path: Path, unconfirmed: int, accepted: int) -> None:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    mode, bootstrap, topic = os.environ["RK_LAB_MODE"], os.environ["RK_LAB_BOOTSTRAP"], os.environ["RK_LAB_TOPIC"]
+    mode, connection, topic = os.environ["RK_LAB_MODE"], connection_from_env(), os.environ["RK_LAB_TOPIC"]
     status = status_path(os.environ["RK_LAB_STATUS_DIR"], os.getpid())
     accepted = 0
     send: Callable[[str], Awaitable[object]]
     unconfirmed: Callable[[], Awaitable[int]]
     close: Callable[[], Awaitable[object]]
     if mode == "reliable":
-        producer = AsyncReliableProducer({"bootstrap.servers": bootstrap}, outbox_dir=os.environ["RK_LAB_OUTBOX_DIR"])
+        producer = AsyncReliableProducer(connection, outbox_dir=os.environ["RK_LAB_OUTBOX_DIR"])
         await producer.start()
 
         async def send(rid: str) -> object:
@@ -63,7 +65,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     else:
         from confluent_kafka.aio import AIOProducer
 
-        aio = AIOProducer({"bootstrap.servers": bootstrap, "acks": "all"})
+        aio = AIOProducer({**connection, "acks": "all"})
 
         async def send(rid: str) -> object:
             return await aio.produce(topic, rid.encode())  # buffered; the delivery is a future

@@ -21,6 +21,8 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
+from reliable_kafka.testing.child_connection import Connection, connection_of
+
 log = logging.getLogger("reliable_kafka.lab.member")
 
 LOG_FORMAT = "%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
@@ -121,11 +123,14 @@ class MemberStatus:
 
 
 class GroupOffsets:
-    """The group's committed offsets on one topic, asked of the coordinator (without joining the group)."""
+    """The group's committed offsets on one topic, asked of the coordinator (without joining the group).
 
-    def __init__(self, bootstrap: str, group: str, topic: str, partitions: int) -> None:
+    `cluster`: the connection settings (a secured cluster's login), or an open cluster's bootstrap servers.
+    """
+
+    def __init__(self, cluster: str | Connection, group: str, topic: str, partitions: int) -> None:
         self._tps = [TopicPartition(topic, p) for p in range(partitions)]
-        self._consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False})
+        self._consumer = Consumer({**connection_of(cluster), "group.id": group, "enable.auto.commit": False})
 
     def get(self) -> dict[int, int]:
         """Partition -> committed offset (0 where nothing is committed yet)."""
