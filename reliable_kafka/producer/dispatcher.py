@@ -122,12 +122,12 @@ class Dispatcher:
         self._poller.join(timeout=10)
         self._apply_reports()
         remaining = self._spool.stats().pending
+        if self._spans is not None:
+            self._spans.close()  # before the purge: its reports are no retry of the messages left pending
         if remaining:
             self._generation += 1
             self._producer.purge(in_queue=True, in_flight=True)
             self._producer.poll(0)
-        if self._spans is not None:
-            self._spans.close()
         return remaining
 
     @property
@@ -312,16 +312,23 @@ class Dispatcher:
 
     def _on_delivery_traced(self, seq: int, generation: int, topic: str, err: KafkaError | None, msg: Any) -> None:
         """_on_delivery() and the message's send span. A success ends it here; a permanent or retriable
-        failure is recorded by _fail() / _retry(), which also see refusals that never reach a report."""
+        failure is recorded by _fail() / _retry(), which also see refusals that never reach a report.
+
+        The message is found by its seq in the spool (a report carries no headers), which still holds it:
+        the spool learns of the delivery after poll() returns. One read per report, with tracing only."""
         self._on_delivery(seq, generation, topic, err, msg)
         assert self._spans is not None
+        if err is not None and generation == self._generation and classify(err) not in (
+                Disposition.FATAL, Disposition.AUTHORIZATION):
+            return  # settled by _fail() or _retry()
+        row = self._spool.get(seq)
+        if row is None:
+            return
         if err is None:
-            self._spans.delivered(msg)
-        elif generation != self._generation or classify(err) in (Disposition.FATAL, Disposition.AUTHORIZATION):
+            self._spans.delivered(row.message_id, row.topic, row.headers, msg.partition(), msg.offset())
+        else:
             # Purged from a replaced producer, or waiting for a grant: sent again later, same span.
-            message_id = telemetry.message_id_of(msg.headers() or [])
-            if message_id is not None:
-                self._spans.retried(message_id, describe(err))
+            self._spans.retried(row.message_id, describe(err))
 
     def _settle_size_refusals(self) -> None:
         refused, self._size_refused = self._size_refused, []

@@ -75,13 +75,12 @@ class SendSpans:
         return telemetry.start_send_span(topic, message_id or "", parent=telemetry.extract(headers),
                                          **{"reliable_kafka.resent_from_outbox": True})
 
-    def delivered(self, msg: Any) -> None:
-        """The brokers acknowledged `msg` (its delivery report): end its span with where it landed."""
-        headers = msg.headers() or []
-        message_id = telemetry.message_id_of(headers)
-        span = self._take(message_id) or self._resumed(msg.topic(), message_id, headers)
-        span.set_attribute("messaging.destination.partition.id", str(msg.partition()))
-        span.set_attribute("messaging.kafka.offset", msg.offset())
+    def delivered(self, message_id: str, topic: str, headers: Sequence[tuple[str, Any]], partition: int,
+                  offset: int) -> None:
+        """The brokers acknowledged a message (its stored headers, where it landed): end its span."""
+        span = self._take(message_id) or self._resumed(topic, message_id, headers)
+        span.set_attribute("messaging.destination.partition.id", str(partition))
+        span.set_attribute("messaging.kafka.offset", offset)
         span.add_event(EVENT, {OUTCOME: "delivered"})
         span.end()
 

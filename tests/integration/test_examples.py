@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 import uuid
 from collections import Counter
@@ -286,17 +287,23 @@ def test_prometheus_recipe_serves_the_metrics_of_a_run(
                                  kafka.bootstrap_servers, "--topic", topic, "--port", "0", "--messages", str(count),
                                  "--serve-s", "120"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err)
     try:
-        assert proc.stdout is not None
+        stdout = proc.stdout
+        assert stdout is not None
         lines: queue.Queue[bytes] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()  # type: ignore[union-attr]
-        result = json.loads(lines.get(timeout=150))
+        threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+        result = json.loads(lines.get(timeout=150))  # the JSON line: the run is over, /metrics is served
         assert result["pending"] == 0 and result["handled"] == count, result
         samples = _scrape(result["port"])
+        _check_scrape(samples, result, topic, count)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
     assert proc.returncode == 0, member_log.read_text()[-3000:]
 
+
+def _check_scrape(samples: list[tuple[str, dict[str, str], float]], result: dict[str, Any], topic: str,
+                  count: int) -> None:
+    """What the scrape after the run must show; librdkafka's statistics are scraped again until they came."""
     # The producer: every message acknowledged, none failed, the outbox empty.
     assert _values(samples, "reliable_kafka_producer_accepted_total") == [count]
     delivered = [v for n, ls, v in samples if n == "messaging_client_sent_messages_total" and "error_type" not in ls]
@@ -312,12 +319,20 @@ def test_prometheus_recipe_serves_the_metrics_of_a_run(
     assert lag == {"0": 0, "1": 0, "2": 0}, lag
     commits = _values(samples, "messaging_client_operation_duration_seconds_count", messaging_operation_name="commit")
     assert commits and commits[0] >= 1
-    # librdkafka's statistics: the producer's handle sent every message; round-trip times are plausible.
-    transmitted = _values(samples, "reliable_kafka_rdkafka_messages_transmitted_total",
-                          reliable_kafka_client_type="producer")
+    # librdkafka's statistics come every second (the example's statistics.interval.ms), the first a second
+    # after a client started: scraped until the producer's handle reported every message sent.
+    transmitted, waitresp = [], []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not (transmitted and transmitted[0] >= count and waitresp):
+        time.sleep(0.5)
+        later = _scrape(result["port"])
+        transmitted = _values(later, "reliable_kafka_rdkafka_messages_transmitted_total",
+                              reliable_kafka_client_type="producer")
+        waitresp = _values(later, "reliable_kafka_rdkafka_broker_waitresp", reliable_kafka_client_type="producer")
+        # (A broker's rtt is reported only for an interval in which the handle sent it requests.)
+        samples += [s for s in later if s[0] == "reliable_kafka_rdkafka_broker_rtt_seconds"]
     assert transmitted and transmitted[0] >= count, transmitted
-    # (A handle reports a broker's rtt only when it sent requests there in the last interval: the consumer,
-    # fetching until run() returned, did.)
+    assert waitresp, "the producer's brokers are reported"
     rtts = _values(samples, "reliable_kafka_rdkafka_broker_rtt_seconds")
     assert rtts and all(0 < r < 5 for r in rtts), rtts
     assert _values(samples, "reliable_kafka_rdkafka_broker_waitresp", reliable_kafka_client_type="producer")
