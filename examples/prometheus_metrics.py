@@ -36,7 +36,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import start_http_server
 
-from reliable_kafka import ReliableConsumer, ReliableProducer
+from reliable_kafka import Message, ReliableConsumer, ReliableProducer
 
 log = logging.getLogger("prometheus_metrics")
 
@@ -69,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        producer.send_many([(args.topic, f"order-{i}".encode()) for i in range(args.messages)])
+        # Keyed, so the orders spread over the partitions (each partition's lag is reported once a record
+        # of it was fetched: before that, its end is not known without asking the brokers).
+        producer.send_many([Message(args.topic, f"order-{i}".encode(), key=f"order-{i}".encode())
+                            for i in range(args.messages)])
         pending = producer.flush(60)
 
         handled = 0
