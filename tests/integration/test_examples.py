@@ -335,4 +335,3 @@ def _check_scrape(samples: list[tuple[str, dict[str, str], float]], result: dict
     assert waitresp, "the producer's brokers are reported"
     rtts = _values(samples, "reliable_kafka_rdkafka_broker_rtt_seconds")
     assert rtts and all(0 < r < 5 for r in rtts), rtts
-    assert _values(samples, "reliable_kafka_rdkafka_broker_waitresp", reliable_kafka_client_type="producer")
