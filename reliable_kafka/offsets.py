@@ -223,6 +223,11 @@ class OffsetTracker:
                 and (part.committed is None or part.committable > part.committed)
             }
 
+    def committed(self) -> dict[TopicPartition, int]:
+        """The last next-offset Kafka confirmed committed, per partition held that has one."""
+        with self._lock:
+            return {key: part.committed for key, part in self._partitions.items() if part.committed is not None}
+
     def mark_committed(self, offsets: Mapping[TopicPartition, int]) -> None:
         """Record that Kafka acknowledged a commit of these next-offsets; partitions not held are ignored."""
         with self._lock:

@@ -17,6 +17,7 @@ from typing import Any
 
 from confluent_kafka import Message
 
+from reliable_kafka import telemetry
 from reliable_kafka.consumer.commits import CommitPolicy
 from reliable_kafka.consumer.dedup_stage import DedupPolicy
 from reliable_kafka.consumer.front import _DEAD_LETTER_TOPIC, ReliableConsumer
@@ -159,6 +160,8 @@ class AsyncReliableConsumer:
         sync = self._sync
         if sync._decoding is not None:
             handler = sync._decoding.async_handler(handler)
+        if sync._metrics:  # decided once: without an SDK no record pays for the timing
+            handler = telemetry.timed_async_handler(handler, sync._group)
         offload = functools.partial(loop.run_in_executor, self._blocking)
         lanes = LoopStrategy(handler, self._concurrency, loop, self._stopping, offload,
                              fetcher=sync._fetcher, failures=sync._failures, commits=sync._commits,

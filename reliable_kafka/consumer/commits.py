@@ -227,9 +227,9 @@ class CommitCoordinator:
                 raise KafkaException(failed[0].error)
             return tps
 
-        started = time.monotonic()
         try:
-            with telemetry.span("commit", **{"messaging.consumer.group.name": self._group}):
+            # Its span, and messaging.client.operation.duration{messaging.operation.name="commit"}.
+            with telemetry.settle("commit", self._group):
                 retry_kafka_call(attempt, deadline_s=self._timeout_s, what="offset commit")
         except KafkaException as exc:
             disposition = classify(exc)
@@ -242,7 +242,6 @@ class CommitCoordinator:
                 return {}
             raise CommitFailed(f"could not commit offsets {offsets} within {self._timeout_s:.0f}s: "
                                f"{describe(exc)}", code=name_of(exc)) from exc
-        telemetry.commit_latency.record(time.monotonic() - started)
         self.tracker.mark_committed(offsets)
         self._counters.add("commits")
         return offsets

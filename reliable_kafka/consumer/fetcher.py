@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message
 
+from reliable_kafka import telemetry
 from reliable_kafka.consumer.work import Work
 from reliable_kafka.errors import GroupAuthorizationFailed, TopicAuthorizationFailed
 from reliable_kafka.kafka_errors import describe
@@ -54,6 +55,7 @@ class Fetcher:
         self.epochs: dict[tuple[str, int], int] = {}
         self._missing_warned: set[str | None] = set()  # subscribed topics found missing, said once each
         self._group = group
+        self.consumed_attrs = {**telemetry.RECEIVE, "messaging.consumer.group.name": group}
         self._denied_said: set[tuple[int, str | None]] = set()  # (code, topic) of refusals said once each
 
     def step(self, strategy: Strategy) -> None:
@@ -120,6 +122,9 @@ class Fetcher:
             offsets.append(msg.offset())  # type: ignore[arg-type]
         self.epochs = {tp: self._tracker.track_many(tp[0], tp[1], offs) for tp, offs in by_tp.items()}
         self.fetched = by_tp
+        if by_tp:  # once per fetched batch
+            count = sum(map(len, by_tp.values())) if errors else len(msgs)
+            telemetry.consumed_messages.add(count, self.consumed_attrs)
         return [m for m in msgs if m.error() is None] if errors else msgs
 
     def _missing_topic(self, topic: str | None) -> None:

@@ -7,6 +7,7 @@ partition is released, and staged offsets of lost partitions are dropped (failur
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -15,13 +16,14 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, Message
 
-from reliable_kafka import telemetry
+from reliable_kafka import rdkafka_stats, telemetry
 from reliable_kafka.config import consumer_config
 from reliable_kafka.consumer.commits import CommitCoordinator, CommitPolicy
 from reliable_kafka.consumer.decoding import Decoding
 from reliable_kafka.consumer.dedup_stage import DedupPolicy, DedupStage, KeyFunction, rk_id_of
 from reliable_kafka.consumer.failures import DeadLetters, FailureStages
 from reliable_kafka.consumer.fetcher import Fetcher
+from reliable_kafka.consumer.lag import partition_lag
 from reliable_kafka.consumer.rebalance import RebalanceHandler
 from reliable_kafka.consumer.strategies import ClaimedStrategy, RecordStrategy, choose
 from reliable_kafka.consumer.work import BatchHandler, Handler
@@ -92,7 +94,8 @@ class ReliableConsumer:
         self._concurrency = concurrency
         self._revoke_timeout_s = revoke_timeout_s
         self._tracing = telemetry.tracing_enabled()
-        group = str(self._config["group.id"])
+        self._metrics = telemetry.metrics_enabled()  # per-record measurements only with an SDK installed
+        group = self._group = str(self._config["group.id"])
         # Subscribed to one topic by name (not a ^regex): every record's topic is known without asking.
         self._single_topic = self.topics[0] if len(self.topics) == 1 and not self.topics[0].startswith("^") else None
         self._stop = threading.Event()
@@ -106,6 +109,8 @@ class ReliableConsumer:
         conf = dict(self._config)
         conf.setdefault("logger", _rdkafka_log)
         conf["error_cb"] = _on_error
+        if (stats_cb := rdkafka_stats.collector(conf, "consumer")) is not None:
+            conf["stats_cb"] = stats_cb
         user_on_commit = conf.get("on_commit")
         # Served by consume() on the loop thread, so the coordinator exists by the time it is called.
         conf["on_commit"] = lambda err, partitions: self._commits.on_commit(err, partitions)
@@ -135,6 +140,8 @@ class ReliableConsumer:
             self._started = True
             self._client.subscribe(self.topics, on_assign=self._rebalance.on_assign,
                                    on_revoke=self._rebalance.on_revoke, on_lost=self._rebalance.on_lost)
+            telemetry.register_consumer(self, self._group, functools.partial(partition_lag, self._client,
+                                                                             self._commits.tracker))
         return self
 
     # ---- explicit API --------------------------------------------------------------------
@@ -194,6 +201,8 @@ class ReliableConsumer:
         if self._decoding is not None:  # decided once per run: without deserializers no record pays for it
             handler = (self._decoding.batch_handler(handler) if batch  # type: ignore[arg-type]
                        else self._decoding.handler(handler))  # type: ignore[arg-type]
+        if self._metrics:  # likewise: without an SDK no record pays for the timing
+            handler = telemetry.timed_handler(handler, self._group, batch=batch)
         strategy = choose(handler, batch=batch, concurrency=self._concurrency, tracing=self._tracing,
                           dedup=self._dedup, single_topic=self._single_topic, fetcher=self._fetcher,
                           failures=self._failures, commits=self._commits, counters=self._counters)
@@ -237,6 +246,7 @@ class ReliableConsumer:
             return
         self._closed = True
         self._stop.set()
+        telemetry.unregister_consumer(self)  # before the client goes: the lag is read from it
         try:
             self._commits.commit()
         except ReliableKafkaError as exc:

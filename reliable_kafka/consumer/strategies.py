@@ -124,6 +124,8 @@ class FastStrategy(RecordStrategy):
                     done_through(t, part, last_offset)  # type: ignore[arg-type]
             self._counters.add("handled", len(msgs))
             self._commits.processed(len(msgs))
+            # Counted here, once per batch: this path never calls Fetcher.track(), which counts the others.
+            telemetry.consumed_messages.add(len(msgs), self._fetcher.consumed_attrs)
             return
         # Handled up to failed_at: track the whole batch, complete what was handled, go on from there.
         self._fetcher.track(msgs)

@@ -17,11 +17,12 @@ from typing import Any, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from reliable_kafka import telemetry
+from reliable_kafka import rdkafka_stats, telemetry
 from reliable_kafka.errors import AuthenticationFailed, ClusterAuthorizationFailed, TopicAuthorizationFailed
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.kafka_errors import Disposition, classify, describe, not_authorized
 from reliable_kafka.producer.holds import FIRST_WAIT_S, MAX_WAIT_S, AuthorizationHolds
+from reliable_kafka.producer.send_spans import SendSpans
 from reliable_kafka.producer.topic_guard import TopicGuard
 from reliable_kafka.spool import NewMessage, OutboxRow, Spool
 from reliable_kafka.stats import Counters
@@ -54,7 +55,9 @@ class Dispatcher:
     """
 
     def __init__(self, config: Mapping[str, Any], spool: Spool, guard: TopicGuard, *, max_in_flight: int,
-                 send_timeout_s: float, on_failed: Callable[[OutboxRow], None] | None) -> None:
+                 send_timeout_s: float, on_failed: Callable[[OutboxRow], None] | None,
+                 spans: SendSpans | None = None) -> None:
+        """`spans`: the send spans of a producer that traces (None: nothing per message is traced)."""
         self._config = dict(config)
         self._spool = spool
         self._guard = guard
@@ -62,6 +65,9 @@ class Dispatcher:
         self._max_in_flight = max_in_flight
         self._send_timeout_s = send_timeout_s
         self._on_failed = on_failed
+        self._spans = spans
+        # librdkafka's statistics as metrics, when the config asks for them and metrics are on.
+        self._rdkafka_stats = rdkafka_stats.collector(self._config, "producer")
         # Order of sends is the order of seqs; this lock keeps append + hand-over to librdkafka in that order.
         self._send_lock = threading.RLock()
         self._dispatched_upto = 0  # every pending seq <= this was handed to librdkafka (this generation)
@@ -92,7 +98,9 @@ class Dispatcher:
         # One bound method for every callback: a partial over it holds only (seq, generation, topic),
         # a tuple of atoms the garbage collector stops tracking, so each in-flight message costs it
         # one object (the partial) instead of two.
-        self._report = self._on_delivery
+        # With tracing the reports also settle the send spans: a callback chosen here, so that without
+        # it no report pays even for the check.
+        self._report = self._on_delivery if spans is None else self._on_delivery_traced
         self._poller = threading.Thread(target=self._poll_loop, name="reliable-kafka-producer", daemon=True)
 
     def start(self) -> int:
@@ -114,6 +122,8 @@ class Dispatcher:
         self._poller.join(timeout=10)
         self._apply_reports()
         remaining = self._spool.stats().pending
+        if self._spans is not None:
+            self._spans.close()  # before the purge: its reports are no retry of the messages left pending
         if remaining:
             self._generation += 1
             self._producer.purge(in_queue=True, in_flight=True)
@@ -196,7 +206,7 @@ class Dispatcher:
             # is one outbox transaction, so sent / commits is how many messages a commit carried.
             self.counters.add_unlocked("sent", len(rows))
             self.counters.add_unlocked("commits")
-        telemetry.messages_sent.add(len(rows))
+        telemetry.accepted.add(len(rows))
         return seqs
 
     def _wait_for_room(self) -> None:
@@ -300,6 +310,26 @@ class Dispatcher:
             # Unknown outcome (e.g. _MSG_TIMED_OUT): send again; the rk-id makes a duplicate recognisable.
             self._retry(seq, describe(err))
 
+    def _on_delivery_traced(self, seq: int, generation: int, topic: str, err: KafkaError | None, msg: Any) -> None:
+        """_on_delivery() and the message's send span. A success ends it here; a permanent or retriable
+        failure is recorded by _fail() / _retry(), which also see refusals that never reach a report.
+
+        The message is found by its seq in the spool (a report carries no headers), which still holds it:
+        the spool learns of the delivery after poll() returns. One read per report, with tracing only."""
+        self._on_delivery(seq, generation, topic, err, msg)
+        assert self._spans is not None
+        if err is not None and generation == self._generation and classify(err) not in (
+                Disposition.FATAL, Disposition.AUTHORIZATION):
+            return  # settled by _fail() or _retry()
+        row = self._spool.get(seq)
+        if row is None:
+            return
+        if err is None:
+            self._spans.delivered(row.message_id, row.topic, row.headers, msg.partition(), msg.offset())
+        else:
+            # Purged from a replaced producer, or waiting for a grant: sent again later, same span.
+            self._spans.retried(row.message_id, describe(err))
+
     def _settle_size_refusals(self) -> None:
         refused, self._size_refused = self._size_refused, []
         alone = self._guard.oversized([(topic, self._spool.get(seq)) for seq, topic, _ in refused])
@@ -338,6 +368,8 @@ class Dispatcher:
     def _retry(self, seq: int, reason: str) -> None:
         self.counters.add("retried")
         telemetry.retries.add(1)
+        if self._spans is not None and (row := self._spool.get(seq)) is not None:
+            self._spans.retried(row.message_id, reason)
         self._spool.record_attempt([seq], reason)
         self._redeliver.append(seq)
 
@@ -346,12 +378,15 @@ class Dispatcher:
         if self._listener is not None:
             self._failed_now.append(seq)  # after the spool says so: a listener's reader sees it failed
         self.counters.add("failed")
-        telemetry.messages_failed.add(1)
+        telemetry.sent_messages.add(1, {**telemetry.SEND, "error.type": telemetry.error_type(reason)})
         log.error("message seq %d refused by Kafka for good (%s); kept in the outbox as failed", seq, reason)
-        if self._on_failed is not None:
+        if self._on_failed is not None or self._spans is not None:
             row = self._spool.get(seq)  # by its seq: never a scan of every failed row
             if row is not None and row.state == "failed":
-                self._on_failed(row)
+                if self._spans is not None:
+                    self._spans.failed(row.message_id, row.topic, row.headers, reason)
+                if self._on_failed is not None:
+                    self._on_failed(row)
 
     def set_listener(self, listener: DeliveryListener | None) -> None:
         """Have `listener(delivered, failed)` told, once per poll round that settled anything, which seqs
@@ -373,7 +408,7 @@ class Dispatcher:
             # timeit of the delivery-report path, 1M reports in rounds of 1,000: 80 ns a report with a
             # dict increment, 77 ns with this add().
             self.counters.add("delivered", len(done))
-            telemetry.messages_delivered.add(len(done))
+            telemetry.sent_messages.add(len(done), telemetry.SEND)
             with self._settled:
                 self._settled.notify_all()
         if self._size_refused:
@@ -440,6 +475,7 @@ class Dispatcher:
             self._dispatched_upto = 0
             self._last_seq = max(self._last_seq, self._max_pending_seq())
             self.counters.add("recreated")
+            telemetry.rebuilds.add(1)
             if reason is not None and not_authorized(reason):
                 # The idempotent producer could not get a producer id: the principal needs IdempotentWrite
                 # on the cluster, or (brokers >= 3.0, KIP-679) Write on any topic. The new producer is
@@ -468,6 +504,8 @@ class Dispatcher:
         conf = dict(self._config)
         conf["error_cb"] = self._on_error
         conf.setdefault("logger", _rdkafka_log)
+        if self._rdkafka_stats is not None:
+            conf["stats_cb"] = self._rdkafka_stats
         return Producer(conf)
 
     def _on_error(self, err: KafkaError) -> None:

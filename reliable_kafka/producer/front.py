@@ -25,6 +25,7 @@ from reliable_kafka.producer.adopter import SlotAdopter
 from reliable_kafka.producer.dispatcher import Dispatcher
 from reliable_kafka.producer.group_commit import MAX_BATCH, GroupCommit
 from reliable_kafka.producer.messages import Headers, Message, Preparer, Sent, new_tuple, plain_rows
+from reliable_kafka.producer.send_spans import SendSpans
 from reliable_kafka.producer.topic_guard import TopicGuard
 from reliable_kafka.serdes import UserSerializer
 from reliable_kafka.spool import Durability, MemorySpool, NewMessage, OutboxRow, Spool
@@ -131,11 +132,12 @@ class ReliableProducer:
         self._spool, self._outbox_path, pool = _open_spool(self.durability, outbox_path, outbox_dir, max_pending)
         self._closed = False
         self._tracing = telemetry.tracing_enabled()
-        self._prepare_row = Preparer(value_serializer, key_serializer, tracing=self._tracing).prepare
+        spans = SendSpans() if self._tracing else None
+        self._prepare_row = Preparer(value_serializer, key_serializer, spans=spans).prepare
         self._guard = TopicGuard(conf, preflight)
         self._seen_topics = self._guard.seen  # read per send without a call (see _prepare)
         self._dispatcher = Dispatcher(conf, self._spool, self._guard, max_in_flight=max_in_flight,
-                                      send_timeout_s=send_timeout_s, on_failed=on_failed)
+                                      send_timeout_s=send_timeout_s, on_failed=on_failed, spans=spans)
         # Capped at the spool bound too: a combined batch must fit wherever each of its messages would.
         self._group = GroupCommit(self._dispatcher.accept, max_batch=max(1, min(MAX_BATCH, max_pending)))
         self._started = False
@@ -159,7 +161,7 @@ class ReliableProducer:
             raise ProducerClosed("this ReliableProducer was closed; create a new one")
         if not self._started:
             self._started = True
-            telemetry.register_producer(self)
+            telemetry.register_producer(self, self.durability.value, self._spool.stats)
             left = self._dispatcher.start()
             if left:
                 # Whatever a previous run left pending goes out first, in its original order.

@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from reliable_kafka import telemetry
 from reliable_kafka.errors import ConfigError, SerializationError
 from reliable_kafka.ids import ID_HEADER
+from reliable_kafka.producer.send_spans import SendSpans
 from reliable_kafka.serdes import UserSerializer, encoder
 from reliable_kafka.spool import NewMessage
 
@@ -74,11 +74,11 @@ class Preparer:
     """Turns a Message (or a tuple that is not a plain (topic, bytes) pair) into a NewMessage."""
 
     def __init__(self, value_serializer: UserSerializer | None, key_serializer: UserSerializer | None,
-                 *, tracing: bool) -> None:
+                 *, spans: SendSpans | None) -> None:
         # One call each, its shape (function, confluent Serializer, none) decided here, not per message.
         self._encode_value = encoder(value_serializer, "value")
         self._encode_key = encoder(key_serializer, "key")
-        self._tracing = tracing
+        self._spans = spans  # None unless the producer traces
 
     def prepare(self, m: Message | tuple[str, Any], fresh_id: str) -> NewMessage:
         """Validate and serialize one message. The rk-id is kept as message_id, not as a stored header:
@@ -104,6 +104,7 @@ class Preparer:
             # A caller-supplied rk-id header is the caller's idempotency key: keep it.
             message_id = next((v.decode() for k, v in reversed(headers) if k == ID_HEADER), fresh_id)
         user_headers = [h for h in headers if h[0] != ID_HEADER]
-        if self._tracing:
-            telemetry.publish_span(m.topic, message_id, user_headers)
+        if self._spans is not None:
+            # Its context goes into the stored headers: a re-send after a restart stays in the trace.
+            self._spans.start(m.topic, message_id, key, user_headers)
         return NewMessage(message_id, m.topic, value, key, tuple(user_headers), m.partition)

@@ -610,11 +610,11 @@ def write_partition(
 ) -> PartitionCommit:
     """Write one Spark partition's rows (what a task does; callable directly to model concurrent attempts).
 
-    With an OpenTelemetry SDK in the worker, the task is a `publish` span whose context every row carries.
+    With an OpenTelemetry SDK in the worker, the task is a `send` span whose context every row carries.
     """
     if not telemetry.tracing_enabled():
         return _write_partition(options, batches, partition, attempt, manifest)
-    with telemetry.batch_publish_span(options.topic, **{
+    with telemetry.batch_send_span(options.topic, **{
         "reliable_kafka.write_id": options.write_id, "reliable_kafka.guarantee": options.guarantee,
         "reliable_kafka.spark.partition": partition, "reliable_kafka.spark.attempt": attempt,
     }):

@@ -256,17 +256,21 @@ class Checkpoint:
         """
         partitions = [TopicPartition(t, p, o) for (t, p), o in offsets.items()]
         timeout = self.deadlines.timeout
-        with telemetry.span("transaction commit", **{"messaging.consumer.group.name": self._group_id,
-                                                      "messaging.kafka.transactional_id": self.transactional_id}):
+        with telemetry.settle("commit_transaction", self._group_id,
+                              **{"reliable_kafka.transactional_id": self.transactional_id}) as settling:
             if partitions:
                 sent = call("send_offsets_to_transaction",
                             lambda: producer.send_offsets_to_transaction(partitions, metadata, timeout()),
                             self.deadlines, self.transactional_id, watch)
                 if isinstance(sent, Failure):
+                    settling.failed(kafka_errors.describe(sent.error))
                     return sent
             done = call("commit_transaction", lambda: producer.commit_transaction(timeout()),
                         self.deadlines, self.transactional_id, watch)
-            return done if isinstance(done, Failure) else None
+            if isinstance(done, Failure):
+                settling.failed(kafka_errors.describe(done.error))
+                return done
+            return None
 
     def reap(self, *, wait: bool) -> Outcome:
         """Take the result of the background commit (blocking if `wait`); then write the backlog."""
@@ -299,6 +303,9 @@ class Checkpoint:
         self._failed_in_a_row = 0
         counters = self.counters
         counters.add("transactions_committed")
+        telemetry.transaction_commits.add(1)
+        if info.dead_lettered:
+            telemetry.dead_lettered.add(info.dead_lettered)
         counters.add("messages_committed", info.messages)
         counters.add("outputs_committed", info.outputs)
         counters.add("dead_lettered", info.dead_lettered)
@@ -473,6 +480,7 @@ class Checkpoint:
             self.counters.add("transactions_aborted")
             telemetry.transaction_aborts.add(1)
         self.counters.add("producer_recreations")
+        telemetry.rebuilds.add(1)
         self.clear()
         self._start_producer(self.client.replace())
         self.rewind()

@@ -12,7 +12,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from reliable_kafka import kafka_errors
+from reliable_kafka import kafka_errors, rdkafka_stats
 from reliable_kafka.errors import (
     ReliableKafkaError,
     TransactionalIdAuthorizationFailed,
@@ -38,6 +38,8 @@ class TransactionalClient:
         # librdkafka tells the reason of a fatal state only to error_cb; produce() then says just _FATAL.
         self._fatal = kafka_errors.FatalError(producer_config.get("error_cb"))
         self._config["error_cb"] = self._fatal
+        if (stats_cb := rdkafka_stats.collector(self._config, "transactional_producer")) is not None:
+            self._config["stats_cb"] = stats_cb
         self.transactional_id = transactional_id
         self._deadlines = deadlines
         self.producer: Producer | None = None

@@ -18,7 +18,7 @@ from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from reliable_kafka import kafka_errors, telemetry
+from reliable_kafka import kafka_errors, rdkafka_stats, telemetry
 from reliable_kafka.config import consumer_config, transactional_producer_config
 from reliable_kafka.deprecation import renamed
 from reliable_kafka.dlq import DeadLetterPolicy
@@ -195,7 +195,10 @@ class TransactionalProcessor:
         # The producer first: init_transactions fences an earlier incarnation of this transactional.id
         # and aborts what it left open, so the committed offsets the consumer reads next are settled.
         self._checkpoint.start()
-        consumer = Consumer(self._consumer_conf)
+        conf = dict(self._consumer_conf)
+        if (stats_cb := rdkafka_stats.collector(conf, "consumer")) is not None:
+            conf["stats_cb"] = stats_cb
+        consumer = Consumer(conf)
         consumer.subscribe(
             self._input_topics, on_assign=self._on_assign, on_revoke=self._on_revoke, on_lost=self._on_lost
         )

@@ -8,9 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -254,3 +259,79 @@ def test_payment_processor_books_each_payment_once_through_a_sigkill(kafka: Loca
     everything = sum(1 for _ in consume_all(kafka.bootstrap_servers, ledger, isolation_level="read_uncommitted"))
     assert everything >= len(entries)
     print(f"ledger: {len(entries)} committed entries, {everything - len(entries)} aborted records hidden")
+
+
+def _scrape(port: int) -> list[tuple[str, dict[str, str], float]]:
+    """/metrics over real HTTP, read by prometheus_client's own parser: (sample name, labels, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def _values(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> list[float]:
+    return [v for n, ls, v in samples if n == name and all(ls.get(k) == want for k, want in labels.items())]
+
+
+def test_prometheus_recipe_serves_the_metrics_of_a_run(
+        kafka: LocalKafkaCluster, make_topic, member_logs: MemberLogs) -> None:
+    """The recipe of docs/operations.md, run as the user runs it (its own process: the OpenTelemetry
+    MeterProvider is set once per process): produce and consume, then scrape /metrics over HTTP."""
+    topic, count = make_topic(partitions=3), 60
+    member_log = member_logs.path("prometheus_metrics")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's package, whatever the venv installed
+    with open(member_log, "ab") as err:
+        proc = subprocess.Popen([sys.executable, str(EXAMPLES / "prometheus_metrics.py"), "--bootstrap-servers",
+                                 kafka.bootstrap_servers, "--topic", topic, "--port", "0", "--messages", str(count),
+                                 "--serve-s", "120"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err)
+    try:
+        stdout = proc.stdout
+        assert stdout is not None
+        lines: queue.Queue[bytes] = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+        result = json.loads(lines.get(timeout=150))  # the JSON line: the run is over, /metrics is served
+        assert result["pending"] == 0 and result["handled"] == count, result
+        samples = _scrape(result["port"])
+        _check_scrape(samples, result, topic, count)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert proc.returncode == 0, member_log.read_text()[-3000:]
+
+
+def _check_scrape(samples: list[tuple[str, dict[str, str], float]], result: dict[str, Any], topic: str,
+                  count: int) -> None:
+    """What the scrape after the run must show; librdkafka's statistics are scraped again until they came."""
+    # The producer: every message acknowledged, none failed, the outbox empty.
+    assert _values(samples, "reliable_kafka_producer_accepted_total") == [count]
+    delivered = [v for n, ls, v in samples if n == "messaging_client_sent_messages_total" and "error_type" not in ls]
+    assert delivered == [count], "the delivered count must equal what was sent"
+    assert not [v for n, ls, v in samples if n == "messaging_client_sent_messages_total" and "error_type" in ls]
+    assert _values(samples, "reliable_kafka_outbox_depth") == [0]
+    assert _values(samples, "reliable_kafka_outbox_failed") == [0]
+    # The consumer: each record fetched once and timed once, every partition's lag 0 after its commit.
+    assert _values(samples, "messaging_client_consumed_messages_total") == [count]
+    assert _values(samples, "messaging_process_duration_seconds_count", messaging_destination_name=topic) == [count]
+    lag = {ls["messaging_destination_partition_id"]: v for n, ls, v in samples
+           if n == "reliable_kafka_consumer_lag" and ls.get("messaging_destination_name") == topic}
+    assert lag == {"0": 0, "1": 0, "2": 0}, lag
+    commits = _values(samples, "messaging_client_operation_duration_seconds_count", messaging_operation_name="commit")
+    assert commits and commits[0] >= 1
+    # librdkafka's statistics come every second (the example's statistics.interval.ms), the first a second
+    # after a client started: scraped until the producer's handle reported every message sent.
+    transmitted, waitresp = [], []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not (transmitted and transmitted[0] >= count and waitresp):
+        time.sleep(0.5)
+        later = _scrape(result["port"])
+        transmitted = _values(later, "reliable_kafka_rdkafka_messages_transmitted_total",
+                              reliable_kafka_client_type="producer")
+        waitresp = _values(later, "reliable_kafka_rdkafka_broker_waitresp", reliable_kafka_client_type="producer")
+        # (A broker's rtt is reported only for an interval in which the handle sent it requests.)
+        samples += [s for s in later if s[0] == "reliable_kafka_rdkafka_broker_rtt_seconds"]
+    assert transmitted and transmitted[0] >= count, transmitted
+    assert waitresp, "the producer's brokers are reported"
+    rtts = _values(samples, "reliable_kafka_rdkafka_broker_rtt_seconds")
+    assert rtts and all(0 < r < 5 for r in rtts), rtts

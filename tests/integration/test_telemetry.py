@@ -1,5 +1,5 @@
-"""OpenTelemetry: a consumer's process span links to the publish span of the producer that sent it,
-through the W3C trace context carried in the message headers (in-memory SDK exporters)."""
+"""OpenTelemetry: a consumer's process span links to the send span of the producer that sent it,
+through the W3C trace context carried in the message headers and the outbox (in-memory SDK exporters)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,13 @@ from reliable_kafka import telemetry
 from reliable_kafka.consumer import ReliableConsumer
 from reliable_kafka.dedup import SQLiteDedupStore
 from reliable_kafka.producer import ReliableProducer
+from reliable_kafka.testing.mock import MockCluster
 from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
 from tests.fixtures.requirements import missing
 
 pytestmark = pytest.mark.cluster
 
+UNREACHABLE = "127.0.0.1:1"  # nothing listens there
 EXPORTER = InMemorySpanExporter()
 READER = InMemoryMetricReader()
 
@@ -38,11 +40,11 @@ def sdk() -> None:
     metrics.set_meter_provider(MeterProvider(metric_readers=[READER]))
 
 
-def test_consumer_process_span_links_to_the_producer_publish_span(kafka, make_topic, tmp_path) -> None:
+def test_consumer_process_span_links_to_the_producer_send_span(kafka, make_topic, tmp_path) -> None:
     assert telemetry.tracing_enabled()
     topic = make_topic(partitions=1)
     with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "o.db") as p:
-        sent = p.send(topic, b"traced")
+        sent = p.send(topic, b"traced", key=b"order-7")
         assert p.flush(30) == 0
         gauges = {m.name for rm in READER.get_metrics_data().resource_metrics for sm in rm.scope_metrics
                   for m in sm.metrics}
@@ -60,23 +62,32 @@ def test_consumer_process_span_links_to_the_producer_publish_span(kafka, make_to
     consumer.close()
     assert handled.is_set()
     spans = EXPORTER.get_finished_spans()
-    publish = [s for s in spans if s.name == f"publish {topic}"]
+    send = [s for s in spans if s.name == f"send {topic}"]
     process = [s for s in spans if s.name == f"process {topic}"]
-    assert len(publish) == 1 and len(process) == 1
-    assert publish[0].kind == trace.SpanKind.PRODUCER and process[0].kind == trace.SpanKind.CONSUMER
-    assert publish[0].attributes["messaging.message.id"] == sent.message_id
-    assert process[0].attributes["messaging.message.id"] == sent.message_id
+    assert len(send) == 1 and len(process) == 1
+    assert send[0].kind == trace.SpanKind.PRODUCER and process[0].kind == trace.SpanKind.CONSUMER
+    for s in (send[0], process[0]):
+        assert s.attributes["messaging.message.id"] == sent.message_id
+        assert s.attributes["messaging.kafka.message.key"] == "order-7"
+        assert s.attributes["messaging.operation.type"] == s.attributes["messaging.operation.name"]
+    # The send span ends on the brokers' acknowledgement, with where the message landed.
+    assert [(e.name, e.attributes["reliable_kafka.delivery.outcome"]) for e in send[0].events] == [
+        ("delivery", "delivered")]
+    assert send[0].attributes["messaging.destination.partition.id"] == "0"
+    assert send[0].attributes["messaging.kafka.offset"] == process[0].attributes["messaging.kafka.offset"] == 0
     linked = [link.context for link in process[0].links]
     assert [(c.trace_id, c.span_id) for c in linked] == [
-        (publish[0].context.trace_id, publish[0].context.span_id)
-    ], "the process span must link to the publish span"
-    assert any(s.name == "commit" for s in spans)
+        (send[0].context.trace_id, send[0].context.span_id)
+    ], "the process span must link to the send span"
+    commit, = [s for s in spans if s.name == "commit"][:1]
+    assert commit.attributes["messaging.operation.type"] == "settle"
 
     time.sleep(0.1)
     data = READER.get_metrics_data()
     names = {m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
-    assert {"reliable_kafka.messages.sent", "reliable_kafka.messages.delivered",
-            "reliable_kafka.commit.duration"} <= names
+    assert {"reliable_kafka.producer.accepted", "messaging.client.sent.messages",
+            "messaging.client.operation.duration", "messaging.client.consumed.messages",
+            "messaging.process.duration"} <= names
 
 
 def _spans_named(name: str) -> list:
@@ -123,13 +134,13 @@ def test_the_trace_goes_through_the_transactional_processor_to_its_consumer(kafk
     assert [m.value() for m in got] == [b"hop"]
     assert [k for k, _ in got[0].headers()].count("traceparent") == 1
 
-    publish, = _spans_named(f"publish {source}")
+    send, = _spans_named(f"send {source}")
     hop, = _spans_named(f"process {source}")
     final, = _spans_named(f"process {output}")
-    assert _links(hop) == [_ids(publish)], "the processor's span must link to the producer's"
+    assert _links(hop) == [_ids(send)], "the processor's span must link to the producer's"
     assert _links(final) == [_ids(hop)], "the output's consumer must link to the processor's span"
     assert hop.attributes["messaging.consumer.group.name"].startswith("otel-eos-")
-    assert _spans_named("transaction commit"), "each committed transaction has its span"
+    assert _spans_named("commit_transaction"), "each committed transaction has its span"
 
 
 def _wait(condition, timeout: float) -> bool:
@@ -168,7 +179,7 @@ def test_dedup_hits_are_counted(kafka, make_topic, tmp_path) -> None:
     assert _counter_total("reliable_kafka.dedup.hits") - before == 1
 
 
-def test_a_spark_write_task_is_a_publish_span_its_rows_link_to(kafka, make_topic) -> None:
+def test_a_spark_write_task_is_a_send_span_its_rows_link_to(kafka, make_topic) -> None:
     if importlib.util.find_spec("pyspark") is None or importlib.util.find_spec("pyarrow") is None:
         missing("pyspark and pyarrow", "pip install -e '.[spark]'")
     import pyarrow as pa
@@ -181,7 +192,7 @@ def test_a_spark_write_task_is_a_publish_span_its_rows_link_to(kafka, make_topic
                               "guarantee": "at_least_once", "write_id": f"otel-{uuid.uuid4().hex[:6]}"})
     rows = pa.RecordBatch.from_pydict({"value": [f"row-{i}".encode() for i in range(20)]})
     write_partition(options, [rows], partition=0, attempt=0)  # what a Spark task runs, here in-process
-    task, = _spans_named(f"publish {topic}")
+    task, = _spans_named(f"send {topic}")
     assert task.kind == trace.SpanKind.PRODUCER and task.attributes["reliable_kafka.spark.partition"] == 0
 
     consumer = ReliableConsumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"otel-{uuid.uuid4()}"},
@@ -199,4 +210,46 @@ def test_a_spark_write_task_is_a_publish_span_its_rows_link_to(kafka, make_topic
     assert len(got) == 20
     processed = _spans_named(f"process {topic}")
     assert len(processed) == 20 and all(_links(s) == [_ids(task)] for s in processed), \
-        "every row's process span must link to the task's publish span"
+        "every row's process span must link to the task's send span"
+
+
+def test_a_message_resent_after_a_restart_stays_in_its_trace(tmp_path) -> None:
+    """Run 1 accepts a message while no broker is reachable and closes with it pending; run 2 opens the same
+    outbox and delivers it. Its traceparent was stored with it: run 2's delivery span and the consumer's
+    process span belong to run 1's trace, and the process span links to run 1's send span."""
+    with MockCluster(brokers=1) as mock:
+        topic = f"otel-restart-{uuid.uuid4().hex[:6]}"
+        mock.create_topic(topic, partitions=1, replication_factor=1)
+        outbox = tmp_path / "restart.db"
+        first = ReliableProducer({"bootstrap.servers": UNREACHABLE}, outbox_path=outbox, preflight="off")
+        sent = first.send(topic, b"survives")
+        assert first.close(timeout=1) == 1, "control: run 1 must close with the message still pending"
+        original, = [s for s in _spans_named(f"send {topic}")
+                     if s.attributes["messaging.message.id"] == sent.message_id]
+        assert [e.attributes["reliable_kafka.delivery.outcome"] for e in original.events] == ["pending_at_close"]
+
+        with ReliableProducer({"bootstrap.servers": mock.bootstrap_servers}, outbox_path=outbox,
+                              preflight="off") as second:
+            assert second.flush(30) == 0
+        resent = [s for s in _spans_named(f"send {topic}") if s is not original
+                  and s.attributes["messaging.message.id"] == sent.message_id]
+        assert len(resent) == 1 and resent[0].attributes["reliable_kafka.resent_from_outbox"]
+        assert resent[0].context.trace_id == original.context.trace_id
+        assert resent[0].parent is not None and resent[0].parent.span_id == original.context.span_id
+        assert [e.attributes["reliable_kafka.delivery.outcome"] for e in resent[0].events] == ["delivered"]
+
+        consumer = ReliableConsumer({"bootstrap.servers": mock.bootstrap_servers, "group.id": f"otel-{uuid.uuid4()}",
+                                     "auto.offset.reset": "earliest"}, [topic], dead_letter=None)
+        got = []
+
+        def handler(msg) -> None:
+            got.append(msg)
+            consumer.stop()
+
+        threading.Timer(60, consumer.stop).start()
+        consumer.run(handler)
+        consumer.close()
+    assert [m.value() for m in got] == [b"survives"]
+    process = [s for s in _spans_named(f"process {topic}") if s.attributes["messaging.message.id"] == sent.message_id]
+    assert len(process) == 1
+    assert _links(process[0]) == [_ids(original)], "the consumer must link to the send span of run 1"

@@ -43,7 +43,7 @@ def registry() -> SchemaRegistryClient:
 
 
 def prepared(value_serializer: Any = None, key_serializer: Any = None, **message: Any) -> Any:
-    return Preparer(value_serializer, key_serializer, tracing=False).prepare(Message(T, **message), "fresh")
+    return Preparer(value_serializer, key_serializer, spans=None).prepare(Message(T, **message), "fresh")
 
 
 def test_avro_values_are_encoded_under_the_topics_subject(registry: SchemaRegistryClient) -> None:
