@@ -7,6 +7,7 @@ import importlib.util
 import threading
 import time
 import uuid
+from typing import Any
 
 import pytest
 from opentelemetry import metrics, trace
@@ -16,7 +17,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from reliable_kafka import telemetry
+from reliable_kafka import DedupPolicy, telemetry
 from reliable_kafka.consumer import ReliableConsumer
 from reliable_kafka.dedup import SQLiteDedupStore
 from reliable_kafka.producer import ReliableProducer
@@ -40,6 +41,27 @@ def sdk() -> None:
     metrics.set_meter_provider(MeterProvider(metric_readers=[READER]))
 
 
+def _consume(bootstrap: str, topic: str, count: int, **settings: object) -> list[Any]:
+    """The first `count` records of `topic`, read by a ReliableConsumer of a new group (bounded: 60 s)."""
+    consumer = ReliableConsumer({"bootstrap.servers": bootstrap, "group.id": f"otel-{uuid.uuid4()}", **settings},
+                                [topic], dead_letter=None)
+    got: list[Any] = []
+
+    def handler(msg: Any) -> None:
+        got.append(msg)
+        if len(got) == count:
+            consumer.stop()
+
+    limit = threading.Timer(60, consumer.stop)
+    limit.start()
+    try:
+        consumer.run(handler)
+    finally:
+        limit.cancel()
+        consumer.close()
+    return got
+
+
 def test_consumer_process_span_links_to_the_producer_send_span(kafka, make_topic, tmp_path) -> None:
     assert telemetry.tracing_enabled()
     topic = make_topic(partitions=1)
@@ -49,18 +71,7 @@ def test_consumer_process_span_links_to_the_producer_send_span(kafka, make_topic
         gauges = {m.name for rm in READER.get_metrics_data().resource_metrics for sm in rm.scope_metrics
                   for m in sm.metrics}
         assert {"reliable_kafka.outbox.depth", "reliable_kafka.outbox.oldest_age"} & gauges
-    handled = threading.Event()
-    consumer = ReliableConsumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"otel-{uuid.uuid4()}"},
-                                [topic])
-
-    def handler(_msg: object) -> None:
-        handled.set()
-        consumer.stop()
-
-    threading.Timer(60, consumer.stop).start()
-    consumer.run(handler)
-    consumer.close()
-    assert handled.is_set()
+    assert len(_consume(kafka.bootstrap_servers, topic, 1)) == 1
     spans = EXPORTER.get_finished_spans()
     send = [s for s in spans if s.name == f"send {topic}"]
     process = [s for s in spans if s.name == f"process {topic}"]
@@ -120,17 +131,7 @@ def test_the_trace_goes_through_the_transactional_processor_to_its_consumer(kafk
                                          processor.stop()), daemon=True).start()
         assert processor.run().messages_committed == 1
 
-    consumer = ReliableConsumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"otel-{uuid.uuid4()}"},
-                                [output])
-    got = []
-
-    def handler(msg) -> None:
-        got.append(msg)
-        consumer.stop()
-
-    threading.Timer(60, consumer.stop).start()
-    consumer.run(handler)
-    consumer.close()
+    got = _consume(kafka.bootstrap_servers, output, 1)
     assert [m.value() for m in got] == [b"hop"]
     assert [k for k, _ in got[0].headers()].count("traceparent") == 1
 
@@ -170,7 +171,7 @@ def test_dedup_hits_are_counted(kafka, make_topic, tmp_path) -> None:
     handled: list[bytes] = []
     with SQLiteDedupStore(tmp_path / "dedup.db") as store:
         consumer = ReliableConsumer({"bootstrap.servers": kafka.bootstrap_servers,
-                                     "group.id": f"otel-dedup-{uuid.uuid4()}"}, [topic], dedup=store)
+                                     "group.id": f"otel-dedup-{uuid.uuid4()}"}, [topic], dedup=DedupPolicy(store))
         threading.Thread(target=lambda: (_wait(lambda: consumer.stats().duplicates_skipped
                                                + len(handled) >= 3, 60), consumer.stop()), daemon=True).start()
         consumer.run(lambda m: handled.append(m.value()))
@@ -195,18 +196,7 @@ def test_a_spark_write_task_is_a_send_span_its_rows_link_to(kafka, make_topic) -
     task, = _spans_named(f"send {topic}")
     assert task.kind == trace.SpanKind.PRODUCER and task.attributes["reliable_kafka.spark.partition"] == 0
 
-    consumer = ReliableConsumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": f"otel-{uuid.uuid4()}"},
-                                [topic])
-    got = []
-
-    def handler(msg) -> None:
-        got.append(msg)
-        if len(got) == 20:
-            consumer.stop()
-
-    threading.Timer(60, consumer.stop).start()
-    consumer.run(handler)
-    consumer.close()
+    got = _consume(kafka.bootstrap_servers, topic, 20)
     assert len(got) == 20
     processed = _spans_named(f"process {topic}")
     assert len(processed) == 20 and all(_links(s) == [_ids(task)] for s in processed), \
@@ -238,17 +228,7 @@ def test_a_message_resent_after_a_restart_stays_in_its_trace(tmp_path) -> None:
         assert resent[0].parent is not None and resent[0].parent.span_id == original.context.span_id
         assert [e.attributes["reliable_kafka.delivery.outcome"] for e in resent[0].events] == ["delivered"]
 
-        consumer = ReliableConsumer({"bootstrap.servers": mock.bootstrap_servers, "group.id": f"otel-{uuid.uuid4()}",
-                                     "auto.offset.reset": "earliest"}, [topic], dead_letter=None)
-        got = []
-
-        def handler(msg) -> None:
-            got.append(msg)
-            consumer.stop()
-
-        threading.Timer(60, consumer.stop).start()
-        consumer.run(handler)
-        consumer.close()
+        got = _consume(mock.bootstrap_servers, topic, 1, **{"auto.offset.reset": "earliest"})
     assert [m.value() for m in got] == [b"survives"]
     process = [s for s in _spans_named(f"process {topic}") if s.attributes["messaging.message.id"] == sent.message_id]
     assert len(process) == 1
