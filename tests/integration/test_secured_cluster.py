@@ -396,3 +396,33 @@ def test_no_secret_shows_in_anything_a_secured_run_writes(secured: LocalKafkaClu
              "doctor": (doctor.stdout + doctor.stderr).encode()}
     leaked = [name for name, data in shown.items() if SENTINEL.encode() in data]
     assert leaked == [], f"the password shows in {leaked}"
+
+
+def test_a_processor_refused_its_transactional_id_stops_naming_the_grant(secured: LocalKafkaCluster) -> None:
+    """Everything but the transactional id: Read on the input and the group, Write on the output. The
+    transaction coordinator refuses the id; the processor stops with the grant, and nothing is committed."""
+    from reliable_kafka import TransactionalIdAuthorizationFailed
+    from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
+
+    source, output, group = (f"s-{uuid.uuid4().hex[:8]}", f"s-{uuid.uuid4().hex[:8]}", f"g-{uuid.uuid4().hex[:8]}")
+    for topic in (source, output):
+        secured.create_topic(topic, 1, 1)
+    _grant(secured, ALICE, source, AclOperation.DESCRIBE, AclOperation.READ)
+    _grant(secured, ALICE, output, AclOperation.DESCRIBE, AclOperation.WRITE)
+    bindings = [AclBinding(ResourceType.GROUP, group, ResourcePatternType.LITERAL, f"User:{ALICE}", "*",
+                           AclOperation.READ, AclPermissionType.ALLOW)]
+    for future in secured.admin().create_acls(bindings).values():
+        future.result(timeout=30)
+    feed = Producer(secured.client_config())
+    for i in range(5):
+        feed.produce(source, f"in-{i}".encode())
+    assert feed.flush(30) == 0
+    tid = f"copy-{uuid.uuid4().hex[:6]}"
+    processor = TransactionalProcessor(
+        {**secured.client_config(ALICE), "group.id": group}, input_topics=[source], transactional_id=tid,
+        transform=lambda m: [OutputRecord(output, m.value(), m.key())],
+    )
+    with pytest.raises(TransactionalIdAuthorizationFailed) as refused, processor:
+        processor.run()
+    assert f"--transactional-id {tid}" in str(refused.value) and SENTINEL not in str(refused.value)
+    assert list(consume_all(secured.bootstrap_servers, output, config=secured.client_config(), timeout=5)) == []
