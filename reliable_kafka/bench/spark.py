@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from reliable_kafka.bench.common import Connection, rows_against
-from reliable_kafka.errors import ConfigError
+from reliable_kafka.spark.java_options import java_kafka_options
 
 log = logging.getLogger(__name__)
 
@@ -54,20 +54,6 @@ def _peak_rss_mb() -> Iterator[list[float]]:
         thread.join()
 
 
-def _bootstrap_only(connection: Connection) -> str:
-    """The brokers of `connection`, which must say nothing else.
-
-    The baseline is Spark's own Kafka sink, i.e. the Java client, which takes Java settings
-    (sasl.jaas.config, truststores) rather than librdkafka's: given only half of a login, the two sides
-    would not measure the same cluster path, so a secured cluster is refused instead.
-    """
-    extra = sorted(k for k in connection if k != "bootstrap.servers")
-    if extra:
-        raise ConfigError(extra[0], "the spark bench's baseline (Spark's Kafka sink, a Java client) cannot take "
-                                    "librdkafka connection settings; run `bench spark` against an open cluster")
-    return str(connection["bootstrap.servers"])
-
-
 def run_spark_bench(
     connection: Connection,
     rows: int,
@@ -79,9 +65,12 @@ def run_spark_bench(
 
     Returns one row per variant: the baseline (ratio 1.0), ours, and Spark's sink with our writer's
     batching settings for context. msgs_per_s is the median of `rounds` (each round runs every variant).
-    `connection` may only name the brokers: see _bootstrap_only().
+    The baseline (Spark's own sink, a Java client) logs in with the same settings, translated by
+    java_kafka_options(): both sides take the same cluster path, TLS and login included.
     """
-    bootstrap_servers = _bootstrap_only(connection)
+    bootstrap_servers = str(connection["bootstrap.servers"])
+    login = {f"kafka.{k}": str(v) for k, v in connection.items() if k != "bootstrap.servers"}
+    java = java_kafka_options(connection)  # refuses a login it cannot hand the Java client, before Spark starts
     from pyspark.sql import functions as F
 
     from reliable_kafka.spark.api import write_kafka
@@ -95,7 +84,7 @@ def run_spark_bench(
 
         def spark_sink(**tuning: str) -> Callable[[Any, str], None]:
             def write(frame: Any, topic: str) -> None:
-                writer = frame.write.format("kafka").option("kafka.bootstrap.servers", bootstrap_servers)
+                writer = frame.write.format("kafka").options(**java)
                 writer.options(**tuning).option("topic", topic).mode("append").save()
 
             return write
@@ -104,7 +93,7 @@ def run_spark_bench(
             def write(frame: Any, topic: str) -> None:
                 write_kafka(
                     frame, bootstrap_servers, topic, guarantee=guarantee,
-                    write_id=f"bench-{uuid.uuid4().hex[:12]}", num_partitions=SPARK_PARTITIONS,
+                    write_id=f"bench-{uuid.uuid4().hex[:12]}", num_partitions=SPARK_PARTITIONS, options=login,
                 )
 
             return write

@@ -28,7 +28,7 @@ from reliable_kafka.cli.output import check_writable, console, emit_json, fail, 
 from reliable_kafka.cli.runlog import chatter_to_file
 from reliable_kafka.errors import ClusterError
 from reliable_kafka.extras import EXTRAS, missing_modules
-from reliable_kafka.lab.base import CONTROL, OPEN_CLUSTER, RELIABLE, Scenario, ScenarioResult
+from reliable_kafka.lab.base import CONTROL, RELIABLE, Scenario, ScenarioResult
 from reliable_kafka.lab.registry import scenarios
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 
@@ -156,10 +156,6 @@ def lab(names: tuple[str, ...], bootstrap_servers: str | None, config_file: Path
         needs_five = any("5-node cluster" in s.needs for s in chosen)
         cluster, owned = _cluster_for(given, state_file, 5 if needs_five else 3)
         hide_secrets_in_client_logs(cluster.client_config())
-        if cluster.security is not None:
-            for s in [s for s in chosen if OPEN_CLUSTER in s.needs]:
-                skipped[s.name] = f"needs an open cluster: its control cannot log in to this {cluster.security} one"
-                chosen.remove(s)
         if needs_five and max(len(cluster.nodes), cluster.brokers if owned else 0) < 5:
             fail(f"unclean-election needs 5 nodes (3 controllers + 2 broker-only), the cluster at "
                  f"{cluster.bootstrap_servers} has {len(cluster.nodes)}: `reliable-kafka cluster stop` and let the "

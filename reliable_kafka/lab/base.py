@@ -14,8 +14,6 @@ from reliable_kafka.testing.cluster import LocalKafkaCluster
 
 CONTROL = "control"
 RELIABLE = "reliable_kafka"
-# A scenario that needs this runs only where clients connect without a login (its control cannot log in).
-OPEN_CLUSTER = "open cluster"
 
 
 @dataclass(frozen=True)
@@ -51,6 +49,6 @@ class Scenario:
     name: str
     description: str
     run: Callable[[LocalKafkaCluster, Progress], list[ScenarioResult]]
-    # Optional parts, e.g. ("spark",), and what the cluster must be ("5-node cluster", OPEN_CLUSTER): the lab
+    # Optional parts, e.g. ("spark",), and what the cluster must be ("5-node cluster"): the lab
     # says so when they are missing.
     needs: tuple[str, ...] = ()

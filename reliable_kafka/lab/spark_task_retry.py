@@ -14,8 +14,7 @@ import time
 import uuid
 from typing import Any
 
-from reliable_kafka.errors import ClusterError
-from reliable_kafka.lab.base import CONTROL, OPEN_CLUSTER, RELIABLE, Progress, Scenario, ScenarioResult
+from reliable_kafka.lab.base import CONTROL, RELIABLE, Progress, Scenario, ScenarioResult
 from reliable_kafka.lab.common import count, result_from, topic_name
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 
@@ -39,12 +38,13 @@ def _numbered(spark: Any, tag: str) -> tuple[Any, list[bytes]]:
 def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
     from reliable_kafka.spark.api import read_kafka, write_kafka
     from reliable_kafka.spark.faults import fail_attempts
+    from reliable_kafka.spark.java_options import java_kafka_options
     from reliable_kafka.spark.local import local_session
 
-    if cluster.security is not None:
-        raise ClusterError(f"{NAME} runs on an open cluster only (its control, Spark's Kafka sink, is a Java client "
-                           "that takes no librdkafka login); this one is secured")
     bootstrap, conn = cluster.bootstrap_servers, cluster.client_config()
+    # Ours take the cluster's librdkafka login as kafka.* options, the control (a Java client) its translation.
+    login = {f"kafka.{k}": str(v) for k, v in conn.items() if k != "bootstrap.servers"}
+    java = java_kafka_options(conn)
     progress("starting Spark", 0.0)
     spark = local_session(app_name="reliable-kafka-lab")
     spark.sparkContext.setLogLevel("FATAL")  # the injected task failures are expected: keep their traces quiet
@@ -60,9 +60,7 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
         topic = topic_name(NAME, CONTROL)
         cluster.create_topic(topic, 3)
         df, values = failing(topic)
-        df.write.format("kafka").option("kafka.bootstrap.servers", bootstrap).option("topic", topic).mode(
-            "append"
-        ).save()
+        df.write.format("kafka").options(**java).option("topic", topic).mode("append").save()
         results.append(count(NAME, CONTROL, values, conn, topic, started,
                              "Spark's Kafka sink: retried tasks write their rows again, without an rk-id"))
 
@@ -72,7 +70,7 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
         cluster.create_topic(topic, 3)
         df, values = failing(topic)
         write_kafka(df, bootstrap, topic, guarantee="exactly_once", write_id=f"lab-{uuid.uuid4().hex[:12]}",
-                    num_partitions=PARTITIONS)
+                    num_partitions=PARTITIONS, options=login)
         results.append(count(NAME, RELIABLE, values, conn, topic, started,
                              "exactly_once: a retry resumes after its committed chunks (read_committed)"))
 
@@ -81,10 +79,12 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
         topic = topic_name(NAME, "alo")
         cluster.create_topic(topic, 3)
         df, values = failing(topic)
-        write_kafka(df, bootstrap, topic, guarantee="at_least_once", write_id=f"lab-{uuid.uuid4().hex[:12]}")
+        write_kafka(df, bootstrap, topic, guarantee="at_least_once", write_id=f"lab-{uuid.uuid4().hex[:12]}",
+                    options=login)
         raw = count(NAME, RELIABLE, values, conn, topic, started,
                     "at_least_once: copies share an rk-id; dups after dedup counted by the Spark dedup reader")
-        deduped = read_kafka(spark, bootstrap, subscribe=topic, dedup_by_rk_id=True).df.select("value").collect()
+        deduped = read_kafka(spark, bootstrap, subscribe=topic, dedup_by_rk_id=True,
+                             options=login).df.select("value").collect()
         after = result_from(NAME, RELIABLE, values, [(r.value, None) for r in deduped], started)
         results.append(dataclasses.replace(raw, duplicates_after_dedup=after.duplicates,
                                            seconds=time.monotonic() - started))
@@ -100,5 +100,5 @@ SCENARIO = Scenario(
     "Kafka sink duplicates them, reliable_kafka exactly_once writes each row once (at_least_once: copies share "
     "an rk-id)",
     run=run,
-    needs=("spark", OPEN_CLUSTER),
+    needs=("spark",),
 )

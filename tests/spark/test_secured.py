@@ -1,6 +1,7 @@
 """The Spark connector on a secured cluster: SASL/SCRAM over TLS with real ACLs, the login passed as
 `kafka.*` options. An exactly-once write (transactions, its marker topic) and a read as a consumer group
-return every row once, and the password shows in no error and no plan Spark prints."""
+return every row once, and the password shows in no plan Spark prints. Spark's own sink (the controls'
+and baselines' Java client) logs in with the same settings, translated."""
 
 from __future__ import annotations
 
@@ -45,3 +46,24 @@ def test_an_exactly_once_write_and_a_group_read_over_scram_and_tls(spark, secure
     v = verdict([x.encode() for x in values], got)
     assert (v.lost, v.duplicates, v.consumed) == (0, 0, len(values)), v
     assert conn["sasl.password"] not in plan
+
+
+def test_spark_own_kafka_sink_logs_in_with_the_translated_settings(
+    spark, kafka_connector, secured: LocalKafkaCluster
+) -> None:
+    """The controls and baselines that run Spark's own connector (a Java client) beside ours reach the same
+    secured cluster as the same principal: java_kafka_options() turns the librdkafka login into a JAAS line
+    and the CA into a PEM truststore."""
+    from reliable_kafka.spark.java_options import java_kafka_options
+
+    conn = secured.client_config()
+    topic = f"sec-{uuid.uuid4().hex[:8]}"
+    secured.create_topic(topic, 2, 1)
+    values = [f"java-{i}" for i in range(100)]
+    df = spark.createDataFrame([(v,) for v in values], "value string")
+    df.write.format("kafka").options(**java_kafka_options(conn)).option("topic", topic).mode("append").save()
+    bootstrap = conn.pop("bootstrap.servers")
+    got = [r.value for r in read_kafka(spark, bootstrap, subscribe=topic,
+                                       options={f"kafka.{k}": v for k, v in conn.items()}).df.collect()]
+    v = verdict([x.encode() for x in values], got)
+    assert (v.lost, v.duplicates) == (0, 0), v

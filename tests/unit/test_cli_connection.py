@@ -243,11 +243,26 @@ def test_bench_workers_get_the_settings_in_their_environment_not_their_command_l
     assert child_connection.connection_from_env() == conn
 
 
-def test_the_spark_bench_refuses_settings_its_java_baseline_cannot_take() -> None:
-    from reliable_kafka.bench.spark import _bootstrap_only
+def test_the_java_clients_of_spark_get_the_same_login_translated_and_the_rest_refused_by_name() -> None:
     from reliable_kafka.errors import ConfigError
+    from reliable_kafka.spark.java_options import java_kafka_options
 
-    assert _bootstrap_only({"bootstrap.servers": "b:1"}) == "b:1"
-    with pytest.raises(ConfigError, match="sasl.password: the spark bench's baseline") as caught:
-        _bootstrap_only({"bootstrap.servers": "b:1", "sasl.password": SENTINEL})
-    assert SENTINEL not in str(caught.value)
+    assert java_kafka_options({"bootstrap.servers": "b:1"}) == {"kafka.bootstrap.servers": "b:1"}
+    scram = java_kafka_options({"bootstrap.servers": "b:1", "security.protocol": "sasl_ssl",
+                                "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": "alice",
+                                "sasl.password": 'se"cr\\et', "ssl.ca.location": "/ca.pem"})
+    assert scram == {
+        "kafka.bootstrap.servers": "b:1", "kafka.security.protocol": "SASL_SSL",
+        "kafka.sasl.mechanism": "SCRAM-SHA-512",
+        "kafka.sasl.jaas.config": 'org.apache.kafka.common.security.scram.ScramLoginModule required '
+                                  'username="alice" password="se\\"cr\\\\et";',
+        "kafka.ssl.truststore.type": "PEM", "kafka.ssl.truststore.location": "/ca.pem",
+    }
+    assert "PlainLoginModule" in java_kafka_options({"sasl.mechanisms": "PLAIN", "sasl.username": "u",
+                                                     "sasl.password": "p"})["kafka.sasl.jaas.config"]
+    for refused, key in (({"sasl.mechanism": "OAUTHBEARER", "sasl.password": SENTINEL}, "sasl.mechanism"),
+                         ({"ssl.key.location": "/k.pem", "sasl.password": SENTINEL}, "sasl.mechanism"),
+                         ({"ssl.certificate.location": "/c.pem"}, "ssl.certificate.location")):
+        with pytest.raises(ConfigError) as caught:
+            java_kafka_options({"bootstrap.servers": "b:1", **refused})
+        assert caught.value.key == key and SENTINEL not in str(caught.value)
