@@ -67,27 +67,40 @@ class ClusterSecurity:
         return restored
 
     def prepare(self, directory: Path, java: str) -> None:
-        """Make what the brokers need before they start: for TLS, a key and certificate for 127.0.0.1.
+        """Make what the brokers need before they start: for TLS, a CA and a certificate it signed.
 
-        One self-signed certificate serves every node (they all listen on 127.0.0.1) and is the one
-        clients trust; the JDK's keytool makes it, so nothing beyond the JDK the brokers need is used.
+        A CA made for the run signs one certificate for 127.0.0.1 that serves every node (they all listen
+        there); clients and the brokers replicating to each other trust the CA, so the whole chain is
+        verified as in production. The JDK's keytool makes them: nothing beyond the JDK the brokers need.
         """
         if not self.tls or self._keystore is not None:
             return
         directory.mkdir(parents=True, exist_ok=True)
-        keystore = directory / "broker.p12"
+        keystore, ca_store = directory / "broker.p12", directory / "ca.p12"
+        ca_pem, csr, signed = directory / "ca.pem", directory / "broker.csr", directory / "broker.pem"
         keytool = str(Path(java).with_name("keytool"))
-        store = ["-keystore", str(keystore), "-storetype", "PKCS12", "-storepass", self._keystore_password]
+
+        def store(path: Path) -> list[str]:
+            return ["-keystore", str(path), "-storetype", "PKCS12", "-storepass", self._keystore_password]
+
+        key = ["-keyalg", "RSA", "-keysize", "2048", "-validity", "30"]
         for args in (
-            ["-genkeypair", "-alias", "broker", "-keyalg", "RSA", "-keysize", "2048", "-validity", "30",
-             "-dname", "CN=localhost", "-ext", "SAN=ip:127.0.0.1,dns:localhost", *store],
-            ["-exportcert", "-rfc", "-alias", "broker", "-file", str(keystore.with_suffix(".pem")), *store],
+            ["-genkeypair", "-alias", "ca", *key, "-dname", "CN=reliable-kafka test CA", "-ext", "bc:c",
+             *store(ca_store)],
+            ["-exportcert", "-rfc", "-alias", "ca", "-file", str(ca_pem), *store(ca_store)],
+            ["-genkeypair", "-alias", "broker", *key, "-dname", "CN=localhost", *store(keystore)],
+            ["-certreq", "-alias", "broker", "-file", str(csr), *store(keystore)],
+            ["-gencert", "-rfc", "-alias", "ca", "-infile", str(csr), "-outfile", str(signed), "-validity", "30",
+             "-ext", "SAN=ip:127.0.0.1,dns:localhost", "-ext", "eku=serverAuth,clientAuth", *store(ca_store)],
+            # The broker's keystore holds the whole chain: the CA first, then its signed certificate.
+            ["-importcert", "-noprompt", "-alias", "ca", "-file", str(ca_pem), *store(keystore)],
+            ["-importcert", "-alias", "broker", "-file", str(signed), *store(keystore)],
         ):
             done = subprocess.run([keytool, *args], capture_output=True, text=True, timeout=120, check=False)
             if done.returncode != 0:
                 said = (done.stdout + done.stderr).replace(self._keystore_password, "***")
-                raise ClusterError(f"keytool could not make the cluster's TLS certificate: {said}")
-        self._keystore, self._ca = keystore, keystore.with_suffix(".pem")
+                raise ClusterError(f"keytool could not make the cluster's TLS certificates ({args[0]}): {said}")
+        self._keystore, self._ca = keystore, ca_pem
 
     def broker_settings(self, users: dict[str, str]) -> dict[str, Any]:
         """server.properties entries for the client listener (named after its protocol)."""

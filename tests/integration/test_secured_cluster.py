@@ -74,6 +74,17 @@ def test_the_harness_itself_is_the_super_user_and_its_secrets_stay_out_of_repr_a
     assert secured.client_config(ALICE)["sasl.password"] not in shown
     assert secured.describe()["security"] == "sasl-scram+tls"
     assert secured.client_config()["security.protocol"] == "SASL_SSL"
+    # The listener's certificate chains to the run's CA and names 127.0.0.1 (checked as a client checks it).
+    import socket
+    import ssl
+
+    host, port = secured.bootstrap_servers.split(",")[0].rsplit(":", 1)
+    context = ssl.create_default_context(cafile=secured.client_config()["ssl.ca.location"])
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            context.wrap_socket(raw, server_hostname=host) as tls:
+        cert = tls.getpeercert()
+    assert dict(field[0] for field in cert["issuer"])["commonName"] == "reliable-kafka test CA"
+    assert dict(field[0] for field in cert["subject"])["commonName"] == "localhost"
 
 
 def test_a_wrong_password_is_refused_as_such_never_as_unreachable_and_never_shown(
