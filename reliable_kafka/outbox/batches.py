@@ -20,7 +20,7 @@ from reliable_kafka.spool import NewMessage, OutboxRow
 
 # A batch of fewer plain messages is spooled row by row: one row per batch pays off from a few messages,
 # and small batches are the ones a failure or an inspection is most likely to look at one by one.
-_BATCH_MIN = 8
+BATCH_MIN = 8
 
 _SELECT_ONE = "SELECT topic, ids, sizes, payload, created_ms FROM batches WHERE first_seq = ?"
 
@@ -43,7 +43,7 @@ class SpooledBatch:
 
 def plain_batch(messages: Sequence[NewMessage]) -> tuple[str, str, array[int], bytes] | None:
     """(topic, ids, sizes, payload) of a `batches` row when every message is plain, else None."""
-    if len(messages) < _BATCH_MIN:
+    if len(messages) < BATCH_MIN:
         return None
     topic = messages[0].topic
     values = []

@@ -30,6 +30,12 @@ INSERT_SQL = (
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 
+# A journaled message keeps the seq it was accepted with when it is settled into the table.
+INSERT_WITH_SEQ_SQL = (
+    "INSERT INTO messages (seq, message_id, topic, key, value, headers, partition, created_ms) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
 _HEADER = struct.Struct(">HI")
 
 

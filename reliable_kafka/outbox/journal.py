@@ -1,0 +1,243 @@
+"""AcceptJournal: a single message made safe from a crash of the process without a SQLite transaction.
+
+Why it exists: a `send()` per request is how services send, and each one used to be its own outbox
+transaction. A commit costs tens of µs and releases the GIL, so concurrent senders had to hand their
+messages to one committing thread and wait to be woken: a thread wake-up and a GIL hand-over per
+message. 16 threads sent 11.6k msgs/s against 40k for a raw producer (0.29x).
+
+What it does instead: each message is one record copied into a memory-mapped, preallocated segment file
+beside the outbox. A store into a shared file mapping is in the kernel's page cache as soon as the copy
+returns, so it survives a SIGKILL or any crash of the process (not a power loss: durability "fsync" does
+not use the journal). The copy is a memcpy under the GIL, with no system call and no lock released, so
+concurrent senders never wait for each other. Each poll round's deliveries are one more record (their
+seqs), so a crash re-sends only what the last round had not recorded. The Outbox moves what is still
+undelivered after a few seconds into SQLite ("settles"), notes in the same transaction up to which seq
+the journal is settled, and deletes segments that hold only settled records; on open it settles what a
+crashed run left (every record no delivery record confirms).
+
+Record layout: ``uint32 length, uint32 crc32(body)`` (little-endian), then ``body`` = marshal (version 4)
+of ``(seq, message_id, topic, value, key, headers, partition, created_ms)`` for a message, or of
+``(0, seqs)`` for delivered messages (``seqs``: native int64s). A segment is preallocated
+with posix_fallocate, so a full disk is an error when a segment is created, never a SIGBUS on a store
+into the mapping; its unused tail is zeros, and a zero length ends the records. The body is copied before
+its head, so a process killed mid-record leaves a zero or a bad checksum: the reader stops there, and
+that message's send() had not returned.
+
+Not thread-safe: the Outbox calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import marshal
+import mmap
+import os
+import struct
+import zlib
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from reliable_kafka.errors import OutboxError, SerializationError
+from reliable_kafka.spool import NewMessage
+
+log = logging.getLogger("reliable_kafka.outbox")
+
+# 16 MiB: ~90k records of a 100-byte message. Large enough that creating a segment (open, fallocate,
+# mmap: ~1 ms) is rare, small enough that the settled ones it waits to delete cost little disk.
+SEGMENT_BYTES = 16 << 20
+_HEAD = struct.Struct("<II")
+_MARSHAL_VERSION = 4
+# A delivery record's first field (a message's is its seq, never 0): (0, seqs as int64s).
+_ACK = 0
+_SUFFIX = ".journal."
+
+# One journal record as read back: the seq, the message, and when it was accepted (unix ms).
+Record = tuple[int, NewMessage, int]
+
+
+def segment_paths(outbox_path: Path) -> list[Path]:
+    """The journal segments beside `outbox_path`, oldest first."""
+    prefix = outbox_path.name + _SUFFIX
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(outbox_path.parent):
+            if entry.name.startswith(prefix) and entry.name[len(prefix):].isdigit():
+                found.append((int(entry.name[len(prefix):]), Path(entry.path)))
+    return [p for _, p in sorted(found)]
+
+
+def _records(data: bytes | mmap.mmap, path: Path, acked: array[int]) -> Iterator[Record]:
+    """The message records of one segment; the seqs of its delivery records are added to `acked`."""
+    pos, end = 0, len(data)
+    while pos + _HEAD.size <= end:
+        length, crc = _HEAD.unpack_from(data, pos)
+        start = pos + _HEAD.size
+        if length == 0 or start + length > end:
+            return
+        body = data[start:start + length]
+        if zlib.crc32(body) != crc:
+            # Only the last record can be torn (one writer, in order): what follows is zeros.
+            log.warning("outbox journal %s: a torn record at byte %d ends it (a send() that never returned)",
+                        path, pos)
+            return
+        fields = marshal.loads(body)
+        pos = start + length
+        if fields[0] == _ACK:
+            acked.frombytes(fields[1])
+            continue
+        seq, message_id, topic, value, key, headers, partition, created_ms = fields
+        yield seq, NewMessage(message_id, topic, value, key, headers, partition), created_ms
+
+
+def read_journal(outbox_path: Path) -> list[Record]:
+    """Every complete message record of the segments beside `outbox_path` that no delivery record
+    confirms, in seq order (read only)."""
+    records: list[Record] = []
+    acked: array[int] = array("q")
+    for path in segment_paths(outbox_path):
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue  # settled and deleted by its owner while we looked
+        except OSError as exc:
+            raise OutboxError(f"cannot read outbox journal {path}: {exc}") from exc
+        try:
+            records.extend(_records(data, path, acked))
+        except (ValueError, EOFError, TypeError) as exc:
+            raise OutboxError(f"outbox journal {path} holds a record this version cannot read ({exc}); "
+                              "open the outbox with the reliable-kafka version that wrote it") from exc
+    if acked:
+        delivered = set(acked)
+        records = [r for r in records if r[0] not in delivered]
+    records.sort(key=lambda r: r[0])
+    return records
+
+
+def _plain(seq: int, m: NewMessage, created_ms: int) -> tuple[Any, ...]:
+    """A record's fields as exact built-in types, or SerializationError naming the message."""
+    try:
+        return (seq, str(m.message_id), str(m.topic), None if m.value is None else bytes(m.value),
+                None if m.key is None else bytes(m.key), tuple((str(k), bytes(v)) for k, v in m.headers),
+                None if m.partition is None else int(m.partition), created_ms)
+    except (TypeError, ValueError) as exc:
+        raise SerializationError(f"cannot spool message {m.message_id}: {exc}") from exc
+
+
+@dataclass
+class _Segment:
+    number: int
+    path: Path
+    fd: int
+    map: mmap.mmap
+    pos: int = 0
+    last_seq: int = 0  # the newest seq in it (0: none yet)
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+class AcceptJournal:
+    """The journal segments of one writable outbox: append records, delete settled segments."""
+
+    def __init__(self, outbox_path: Path, *, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self._outbox_path = outbox_path
+        self._segment_bytes = segment_bytes
+        self._segments: list[_Segment] = []  # oldest first; the last one takes new records
+        existing = segment_paths(outbox_path)
+        self._next_number = int(existing[-1].name.rsplit(".", 1)[1]) + 1 if existing else 1
+
+    def append(self, first_seq: int, messages: Sequence[NewMessage], created_ms: int) -> None:
+        """Copy one record per message (seqs first_seq, first_seq + 1, ...) into the current segment, or
+        into a new one when they do not fit. All or nothing: a message marshal cannot encode raises
+        SerializationError, and a segment that cannot be created raises OutboxError, before anything
+        of the batch is written."""
+        try:
+            bodies = [marshal.dumps((seq, m.message_id, m.topic, m.value, m.key, m.headers, m.partition,
+                                     created_ms), _MARSHAL_VERSION)
+                      for seq, m in enumerate(messages, first_seq)]
+        except ValueError:
+            # marshal takes exact built-in types only: a StrEnum topic or a bytearray value is made plain.
+            bodies = [marshal.dumps(_plain(seq, m, created_ms), _MARSHAL_VERSION)
+                      for seq, m in enumerate(messages, first_seq)]
+        self._write(bodies).last_seq = first_seq + len(bodies) - 1
+
+    def delivered(self, seqs: Sequence[int]) -> None:
+        """Record that these messages were delivered, so that a crash before their settle does not send
+        them again (the duplicates a crash costs stay those of one poll round, as with SQLite rows).
+        One record per poll round: 8 bytes a message."""
+        try:
+            self._write([marshal.dumps((_ACK, array("q", seqs).tobytes()), _MARSHAL_VERSION)])
+        except OutboxError as exc:  # no room for a new segment: only a crash's re-sends grow, nothing is lost
+            log.warning("%s; a crash now would send %d delivered message(s) again", exc, len(seqs))
+
+    def _write(self, bodies: list[bytes]) -> _Segment:
+        """Copy records into the current segment, or into a new one when they do not fit."""
+        need = sum(map(len, bodies)) + _HEAD.size * len(bodies)
+        segment = self._segments[-1] if self._segments else None
+        if segment is None or segment.pos + need > self._segment_bytes:
+            segment = self._new_segment(need)
+        pos, mapped, head = segment.pos, segment.map, _HEAD.pack_into
+        for body in bodies:
+            start = pos + _HEAD.size
+            end = start + len(body)
+            mapped[start:end] = body
+            head(mapped, pos, len(body), zlib.crc32(body))
+            pos = end
+        segment.pos = pos
+        return segment
+
+    def _new_segment(self, need: int) -> _Segment:
+        size = max(self._segment_bytes, need + _HEAD.size)
+        path = self._outbox_path.with_name(f"{self._outbox_path.name}{_SUFFIX}{self._next_number}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise OutboxError(f"cannot create outbox journal {path}: {exc.strerror}; check the outbox "
+                              "directory's permissions and free space") from exc
+        try:
+            # Reserve the blocks now: a store into a mapping of a sparse file that cannot be backed
+            # would kill the process with SIGBUS instead of raising here.
+            os.posix_fallocate(fd, 0, size)
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise OutboxError(f"cannot create outbox journal {path} ({size} bytes): {exc.strerror}; free "
+                              "disk space or move the outbox; the message was not accepted") from exc
+        segment = _Segment(self._next_number, path, fd, mapped)
+        self._next_number += 1
+        self._segments.append(segment)
+        return segment
+
+    def settled(self, upto_seq: int) -> None:
+        """Delete the segments whose records all have seq <= upto_seq (the current one only once a newer
+        record needs a segment: it is reused until full)."""
+        while len(self._segments) > 1 and self._segments[0].last_seq <= upto_seq:
+            self._drop(self._segments.pop(0))
+
+    def clear(self) -> None:
+        """Delete every segment, this run's and any found on disk (all settled)."""
+        for segment in self._segments:
+            self._drop(segment)
+        self._segments = []
+        for path in segment_paths(self._outbox_path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def close(self) -> None:
+        """Unmap the segments; the files stay (what they hold is settled on the next open)."""
+        for segment in self._segments:
+            segment.close()
+        self._segments = []
+
+    @staticmethod
+    def _drop(segment: _Segment) -> None:
+        segment.close()
+        with contextlib.suppress(FileNotFoundError):
+            segment.path.unlink()
