@@ -331,7 +331,9 @@ def _producer_crash_once(cluster: LocalKafkaCluster, name: str, client: str, rng
         def start(first: int) -> subprocess.Popen[bytes]:
             return run_program("reliable_kafka.lab.programs.producer_proc", [
                 "--mode", mode, "--topic", topic, "--outbox", str(Path(d) / "outbox.db"),
-                "--start", str(first), "--end", str(messages), "--ledger", str(ledger), "--status", str(status)], conn)
+                "--start", str(first), "--end", str(messages), "--ledger", str(ledger), "--status", str(status),
+                # Ours sends as applications do, one send() per message, every other batch in one send_many().
+                *(["--mix"] if mode == "reliable" else [])], conn)
 
         # A random point mid-stream, by progress rather than time (a fast client would otherwise
         # finish before its kills): `between` more accepted, some of them not yet delivered.

@@ -140,6 +140,10 @@ class ReliableProducer:
                                       send_timeout_s=send_timeout_s, on_failed=on_failed, spans=spans)
         # Capped at the spool bound too: a combined batch must fit wherever each of its messages would.
         self._group = GroupCommit(self._dispatcher.accept, max_batch=max(1, min(MAX_BATCH, max_pending)))
+        # An outbox whose single appends are journal records (durability "process") needs no group commit:
+        # an append no longer waits for a commit, so each send() accepts its own message on its own
+        # thread, and concurrent senders never wait to be woken (outbox/journal.py says why).
+        self._accept_inline = isinstance(self._spool, Outbox) and self._spool.journaled
         self._started = False
         # The slots of an outbox_dir that dead or retired processes left pending are drained by ordinary
         # producers opened on them, with this one's settings (a slot holds serialized rows: no serializers).
@@ -184,14 +188,21 @@ class ReliableProducer:
     ) -> Sent:
         """Accept one message; returns once it is durable per the durability mode.
 
-        Concurrent send() calls from several threads share one outbox transaction (group commit); each
-        returns when the transaction holding its own message committed. A single thread commits inline.
+        In durability "process" the message is one record in the outbox's accept journal, written on the
+        caller's thread. In "fsync", concurrent send() calls from several threads share one outbox
+        transaction (group commit), each returning when the transaction holding its own message committed.
 
         Raises OutboxFull when the spool stayed full for send_timeout_s, TopicConfigError when the
         preflight refuses the topic, SerializationError for a value that is not bytes, and
         DeliveryFailed when Kafka refused it at once (it is then kept in the outbox as failed).
         """
         row = self._prepare_call(topic, value, key, headers, partition, message_id)
+        if self._accept_inline:
+            if self._closed:
+                raise ProducerClosed("send after close(): create a new ReliableProducer")
+            errors: dict[int, str] = {}
+            seq = self._dispatcher.accept((row,), errors)[0]
+            return self._sent_one(row, seq, errors.get(seq) if errors else None)
         seq, error = self._group.submit(row)
         return self._sent_one(row, seq, error)
 

@@ -156,9 +156,11 @@ def _run_killed(mode: str, kafka: LocalKafkaCluster, topic: str, tmp_path: Path,
     ledger, status = tmp_path / f"{mode}.ledger", tmp_path / f"{mode}.status"
 
     def start(first: int) -> subprocess.Popen[bytes]:
+        # Ours alternates send() (the outbox's journal records) and send_many() (its SQLite rows), so the
+        # kills land in both paths and in the settles between them.
         cmd = CHILD + ["--mode", mode, "--bootstrap", kafka.bootstrap_servers, "--topic", topic,
                        "--outbox", str(tmp_path / f"{mode}.db"), "--start", str(first), "--end", str(total),
-                       "--ledger", str(ledger), "--status", str(status)]
+                       "--ledger", str(ledger), "--status", str(status), *(["--mix"] if mode == "reliable" else [])]
         with open(member_logs.path(f"producer-{mode}"), "ab") as out:  # appended across restarts
             return subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 

@@ -102,6 +102,9 @@ def main() -> int:
     ap.add_argument("--status", help="file kept holding the number of accepted, undelivered messages")
     ap.add_argument("--batch", type=int, default=50)
     ap.add_argument("--concurrency", type=int, default=200, help="asyncio tasks sending at once (async modes)")
+    ap.add_argument("--mix", action="store_true",
+                    help="reliable mode: every other batch as one send() per message (the outbox's journal "
+                         "path), the rest as send_many() (its SQLite path)")
     args = ap.parse_args()
     # Into the member log the tests keep per child: what each run started from and how it ended.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -120,8 +123,13 @@ def main() -> int:
             idx = range(start, min(start + args.batch, args.end))
             # The application's own id per value: re-sending a value it had not recorded as accepted
             # (killed between send_many() and the ledger write) carries the same rk-id as the original.
-            producer.send_many([Message(args.topic, f"v-{i}".encode(), message_id=f"v-{i}") for i in idx])
-            ledger.write("".join(f"{i}\n" for i in idx))
+            if args.mix and (start // args.batch) % 2:
+                for i in idx:
+                    producer.send(args.topic, f"v-{i}".encode(), message_id=f"v-{i}")
+                    ledger.write(f"{i}\n")
+            else:
+                producer.send_many([Message(args.topic, f"v-{i}".encode(), message_id=f"v-{i}") for i in idx])
+                ledger.write("".join(f"{i}\n" for i in idx))
             _publish_pending(args.status, producer.pending)
         remaining = producer.close(timeout=60)
         _publish_pending(args.status, remaining)
