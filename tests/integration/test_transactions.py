@@ -23,18 +23,11 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 from reliable_kafka.dlq import parse_dead_letter_headers
 from reliable_kafka.errors import TransactionFenced
 from reliable_kafka.ids import message_id_of
-from reliable_kafka.lab.eos_copier_bounce import (
-    CopierProcess,
-    FedSource,
-    group_lag,
-    group_lags,
-    kill_rounds,
-    seed_input,
-)
+from reliable_kafka.lab.eos_copier_bounce import CopierProcess, FedSource, kill_rounds, seed_input
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
-from reliable_kafka.testing.cluster import uncommitted_records
 from reliable_kafka.testing.gates import Feeder, fire_when, wait_for
+from reliable_kafka.testing.offsets_probe import group_lag, group_lags, uncommitted_records
 from reliable_kafka.testing.verify import verdict
 from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
 from tests.fixtures.members import MemberLogs
