@@ -33,7 +33,7 @@ from reliable_kafka.lab.common import read_back, result_from, topic_name
 from reliable_kafka.testing.child_connection import Connection, child_env, connection_from_env, connection_of
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 from reliable_kafka.testing.gates import Feeder, fire_when, wait_drained
-from reliable_kafka.testing.offsets_probe import OffsetsProbe, group_lag, uncommitted_records
+from reliable_kafka.testing.offsets_probe import OffsetsProbe
 from reliable_kafka.transactions import CommitInfo, OutputRecord, TransactionalProcessor
 
 log = logging.getLogger(__name__)
@@ -459,56 +459,60 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
     copiers = [copier for _, _, copier in runs.values()]
     of_copier = {copier: (client, output, group) for client, (output, group, copier) in runs.items()}
 
-    def unfinished() -> int:
-        return sum(group_lag(conn, group, source.topic) for _, group, _ in runs.values())
+    # One probe for every look at the group lags and the output: a gate asks many times a second, and a
+    # new client per look (start-up, login, coordinator lookup) made it slow to see its moment.
+    with OffsetsProbe(conn) as offsets:
+        def unfinished() -> int:
+            return sum(offsets.group_lag(group, source.topic) for _, group, _ in runs.values())
 
-    def mid_copy(copier: CopierProcess) -> bool:
-        # A kill proves something only while the copier has work left; the exactly-once copier's kill is
-        # aimed at a moment when its output holds records of its open transaction (it is the only writer).
-        client, output, group = of_copier[copier]
-        if group_lag(conn, group, source.topic) == 0:
-            return False
-        return client != RELIABLE or uncommitted_records(conn, output) > 0
+        def mid_copy(copier: CopierProcess) -> bool:
+            # A kill proves something only while the copier has work left; the exactly-once copier's kill is
+            # aimed at a moment when its output holds records of its open transaction (it is the only writer).
+            client, output, group = of_copier[copier]
+            if offsets.group_lag(group, source.topic) == 0:
+                return False
+            return client != RELIABLE or offsets.uncommitted_records(output) > 0
 
-    # Both copiers read the same input: the one furthest ahead decides when to top it up. The copy cannot
-    # finish before the last kill, however fast or slow this machine is.
-    feeder = Feeder(lambda: source.feed(TOP_UP),
-                    lambda: min(group_lag(conn, group, source.topic) for _, group, _ in runs.values()),
-                    low=LOW_WATER, poll_s=0.3, max_top_ups=100, max_seconds=300, name=f"{NAME}-feeder")
-    try:
-        for copier in copiers:
-            copier.start()
-        feeder.start()
+        # Both copiers read the same input: the one furthest ahead decides when to top it up. The copy cannot
+        # finish before the last kill, however fast or slow this machine is.
+        feeder = Feeder(lambda: source.feed(TOP_UP),
+                        lambda: min(offsets.group_lag(group, source.topic) for _, group, _ in runs.values()),
+                        low=LOW_WATER, poll_s=0.3, max_top_ups=100, max_seconds=300, name=f"{NAME}-feeder")
         try:
-            for n, copier in enumerate(kill_rounds(copiers, rounds=KILLS, at_progress=0.2, aim=mid_copy,
-                                                   rearm=feeder.top_up_now, attempts=5, timeout_s=30), start=1):
-                progress(f"SIGKILLed the {copier.name} mid-copy ({n} of {KILLS * len(copiers)})",
-                         0.05 + 0.6 * n / (KILLS * len(copiers)))
+            for copier in copiers:
+                copier.start()
+            feeder.start()
+            try:
+                for n, copier in enumerate(kill_rounds(copiers, rounds=KILLS, at_progress=0.2, aim=mid_copy,
+                                                       rearm=feeder.top_up_now, attempts=5, timeout_s=30), start=1):
+                    progress(f"SIGKILLed the {copier.name} mid-copy ({n} of {KILLS * len(copiers)})",
+                             0.05 + 0.6 * n / (KILLS * len(copiers)))
+            finally:
+                feeder.stop()  # what was fed is final: the verdict counts every value of it
+            progress(f"letting the copiers finish ({len(source.values)} records fed)", 0.7)
+            # Waited for while the copiers make progress (a copier that restarted last may rejoin slowly on
+            # a loaded machine), so what they have not copied yet is not counted as lost by the verdict.
+            left = wait_drained(unfinished, stall_s=60, timeout_s=600)
+            if left:
+                log.warning("the copiers stopped making progress with %d records left; counting what they wrote", left)
         finally:
-            feeder.stop()  # what was fed is final: the verdict counts every value of it
-        progress(f"letting the copiers finish ({len(source.values)} records fed)", 0.7)
-        # Waited for while the copiers make progress (a copier that restarted last may rejoin slowly on
-        # a loaded machine), so what they have not copied yet is not counted as lost by the verdict.
-        left = wait_drained(unfinished, stall_s=60, timeout_s=600)
-        if left:
-            log.warning("the copiers stopped making progress with %d records left; counting what they wrote", left)
-    finally:
-        for copier in copiers:
-            copier.stop()
-    progress("reading the outputs back (read_committed)", 0.9)
-    values = source.values
-    results = []
-    for client, (output, group, copier) in runs.items():
-        seen = [(m.value(), message_id_of(m.headers())) for m in read_back(conn, output)]
-        detail = f"{copier.kills} copier SIGKILLs mid-copy (each at >=20% progress, input left) of {len(values)} " \
-                 f"records fed"
-        if left:  # said in the verdict, so a stalled copier's backlog is not read as records it lost
-            detail += f"; the copier stalled with {group_lag(conn, group, source.topic)} input records uncommitted"
-        if client == RELIABLE:
-            everything = len(read_back(conn, output, isolation_level="read_uncommitted"))
-            detail += f"; {everything - len(seen)} records of aborted transactions hidden from read_committed"
-        results.append(result_from(NAME, client, values, seen, started, detail))
-    return results
+            for copier in copiers:
+                copier.stop()
+        progress("reading the outputs back (read_committed)", 0.9)
+        values = source.values
+        results = []
+        for client, (output, group, copier) in runs.items():
+            seen = [(m.value(), message_id_of(m.headers())) for m in read_back(conn, output)]
+            detail = f"{copier.kills} copier SIGKILLs mid-copy (each at >=20% progress, input left) of {len(values)} " \
+                     f"records fed"
+            if left:  # said in the verdict, so a stalled copier's backlog is not read as records it lost
+                stalled = offsets.group_lag(group, source.topic)
+                detail += f"; the copier stalled with {stalled} input records uncommitted"
+            if client == RELIABLE:
+                everything = len(read_back(conn, output, isolation_level="read_uncommitted"))
+                detail += f"; {everything - len(seen)} records of aborted transactions hidden from read_committed"
+            results.append(result_from(NAME, client, values, seen, started, detail))
+        return results
 
 
 SCENARIO = Scenario(
