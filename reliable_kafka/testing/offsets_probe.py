@@ -59,7 +59,8 @@ class OffsetsProbe:
             client.close()
 
     def end_offsets(self, topic: str) -> dict[int, int]:
-        """Per partition of `topic`, its last stable offset: past every record of a decided transaction."""
+        """Per partition of `topic`, its last stable offset: the first offset of the oldest transaction still
+        open there, else the high watermark."""
         with self._lock:
             client = self._client(_READ_COMMITTED)
 
