@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPartition
 
 from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.config import consumer_config, producer_config
@@ -30,10 +30,10 @@ from reliable_kafka.errors import TransactionFailed, TransactionFenced
 from reliable_kafka.ids import ID_HEADER, message_id_of, new_ids
 from reliable_kafka.lab.base import CONTROL, RELIABLE, Progress, Scenario, ScenarioResult
 from reliable_kafka.lab.common import read_back, result_from, topic_name
-from reliable_kafka.retry import retry_kafka_call
 from reliable_kafka.testing.child_connection import Connection, child_env, connection_from_env, connection_of
-from reliable_kafka.testing.cluster import LocalKafkaCluster, uncommitted_records
+from reliable_kafka.testing.cluster import LocalKafkaCluster
 from reliable_kafka.testing.gates import Feeder, fire_when, wait_drained
+from reliable_kafka.testing.offsets_probe import OffsetsProbe
 from reliable_kafka.transactions import CommitInfo, OutputRecord, TransactionalProcessor
 
 log = logging.getLogger(__name__)
@@ -167,23 +167,6 @@ class _Reporter:
                    partitions=sorted(p for _, p in self._latest))
 
 
-def _end_offsets(cluster: str | Connection, topic: str) -> dict[tuple[str, int], int]:
-    probe = Consumer({**connection_of(cluster), "group.id": f"rk-probe-{uuid.uuid4().hex[:8]}"})
-
-    def ends() -> dict[tuple[str, int], int]:
-        meta = probe.list_topics(topic, timeout=30).topics[topic]
-        if meta.error is not None or not meta.partitions:  # no partitions is no answer, not an empty topic
-            raise KafkaException(meta.error or KafkaError(KafkaError.LEADER_NOT_AVAILABLE))
-        return {(topic, p): probe.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
-                for p in meta.partitions}
-
-    try:
-        # Asked while a broker is being bounced too: a request cut off by the kill is asked again.
-        return retry_kafka_call(ends, deadline_s=90, what=f"end offsets of {topic}")
-    finally:
-        probe.close()
-
-
 def copier_main(argv: Sequence[str] | None = None) -> int:
     """The copier child: `python -m reliable_kafka.lab.eos_copier_bounce --mode eos|control ...`.
 
@@ -210,7 +193,8 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
                         format=f"%(asctime)s {args.instance} %(levelname)s %(name)s: %(message)s")
 
     connection = connection_from_env(args.bootstrap)
-    reporter = _Reporter(_end_offsets(connection, args.input))
+    with OffsetsProbe(connection) as probe:
+        reporter = _Reporter({(args.input, p): end for p, end in probe.end_offsets(args.input).items()})
     # max.poll.interval.ms is also the group's rebalance timeout: a member that does not rejoin (blocked in
     # a transactional call while a coordinator moves) holds every other member's partitions for that long.
     # 60 s, just above the processor's retry deadline for one call, keeps a bounce from stalling the copy
@@ -382,28 +366,6 @@ class CopierProcess:
         return proc.returncode
 
 
-def group_lags(cluster: str | Connection, group: str, topic: str) -> dict[int, int]:
-    """Per partition of `topic`, the records `group` has not committed yet (stable offsets: open
-    transactions resolved). `cluster`: the connection settings, or an open cluster's bootstrap servers."""
-    ends = _end_offsets(cluster, topic)
-    probe = Consumer({**connection_of(cluster), "group.id": group, "isolation.level": "read_committed",
-                      "enable.auto.commit": False})
-    try:
-        parts = [TopicPartition(t, p) for t, p in ends]
-        # A new group's coordinator may still be loading, or moving while a broker is down.
-        committed = retry_kafka_call(lambda: probe.committed(parts, timeout=30), deadline_s=90,
-                                     what=f"committed offsets of {group}")
-    finally:
-        probe.close()
-    done = {tp.partition: max(tp.offset, 0) for tp in committed}
-    return {p: end - done.get(p, 0) for (_, p), end in ends.items()}
-
-
-def group_lag(cluster: str | Connection, group: str, topic: str) -> int:
-    """Records of `topic` that `group` has not committed yet (stable offsets: open transactions resolved)."""
-    return sum(group_lags(cluster, group, topic).values())
-
-
 def kill_rounds(
     copiers: Sequence[CopierProcess],
     *,
@@ -497,56 +459,60 @@ def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
     copiers = [copier for _, _, copier in runs.values()]
     of_copier = {copier: (client, output, group) for client, (output, group, copier) in runs.items()}
 
-    def unfinished() -> int:
-        return sum(group_lag(conn, group, source.topic) for _, group, _ in runs.values())
+    # One probe for every look at the group lags and the output: a gate asks many times a second, and a
+    # new client per look (start-up, login, coordinator lookup) made it slow to see its moment.
+    with OffsetsProbe(conn) as offsets:
+        def unfinished() -> int:
+            return sum(offsets.group_lag(group, source.topic) for _, group, _ in runs.values())
 
-    def mid_copy(copier: CopierProcess) -> bool:
-        # A kill proves something only while the copier has work left; the exactly-once copier's kill is
-        # aimed at a moment when its output holds records of its open transaction (it is the only writer).
-        client, output, group = of_copier[copier]
-        if group_lag(conn, group, source.topic) == 0:
-            return False
-        return client != RELIABLE or uncommitted_records(conn["bootstrap.servers"], output, config=conn) > 0
+        def mid_copy(copier: CopierProcess) -> bool:
+            # A kill proves something only while the copier has work left; the exactly-once copier's kill is
+            # aimed at a moment when its output holds records of its open transaction (it is the only writer).
+            client, output, group = of_copier[copier]
+            if offsets.group_lag(group, source.topic) == 0:
+                return False
+            return client != RELIABLE or offsets.uncommitted_records(output) > 0
 
-    # Both copiers read the same input: the one furthest ahead decides when to top it up. The copy cannot
-    # finish before the last kill, however fast or slow this machine is.
-    feeder = Feeder(lambda: source.feed(TOP_UP),
-                    lambda: min(group_lag(conn, group, source.topic) for _, group, _ in runs.values()),
-                    low=LOW_WATER, poll_s=0.3, max_top_ups=100, max_seconds=300, name=f"{NAME}-feeder")
-    try:
-        for copier in copiers:
-            copier.start()
-        feeder.start()
+        # Both copiers read the same input: the one furthest ahead decides when to top it up. The copy cannot
+        # finish before the last kill, however fast or slow this machine is.
+        feeder = Feeder(lambda: source.feed(TOP_UP),
+                        lambda: min(offsets.group_lag(group, source.topic) for _, group, _ in runs.values()),
+                        low=LOW_WATER, poll_s=0.3, max_top_ups=100, max_seconds=300, name=f"{NAME}-feeder")
         try:
-            for n, copier in enumerate(kill_rounds(copiers, rounds=KILLS, at_progress=0.2, aim=mid_copy,
-                                                   rearm=feeder.top_up_now, attempts=5, timeout_s=30), start=1):
-                progress(f"SIGKILLed the {copier.name} mid-copy ({n} of {KILLS * len(copiers)})",
-                         0.05 + 0.6 * n / (KILLS * len(copiers)))
+            for copier in copiers:
+                copier.start()
+            feeder.start()
+            try:
+                for n, copier in enumerate(kill_rounds(copiers, rounds=KILLS, at_progress=0.2, aim=mid_copy,
+                                                       rearm=feeder.top_up_now, attempts=5, timeout_s=30), start=1):
+                    progress(f"SIGKILLed the {copier.name} mid-copy ({n} of {KILLS * len(copiers)})",
+                             0.05 + 0.6 * n / (KILLS * len(copiers)))
+            finally:
+                feeder.stop()  # what was fed is final: the verdict counts every value of it
+            progress(f"letting the copiers finish ({len(source.values)} records fed)", 0.7)
+            # Waited for while the copiers make progress (a copier that restarted last may rejoin slowly on
+            # a loaded machine), so what they have not copied yet is not counted as lost by the verdict.
+            left = wait_drained(unfinished, stall_s=60, timeout_s=600)
+            if left:
+                log.warning("the copiers stopped making progress with %d records left; counting what they wrote", left)
         finally:
-            feeder.stop()  # what was fed is final: the verdict counts every value of it
-        progress(f"letting the copiers finish ({len(source.values)} records fed)", 0.7)
-        # Waited for while the copiers make progress (a copier that restarted last may rejoin slowly on
-        # a loaded machine), so what they have not copied yet is not counted as lost by the verdict.
-        left = wait_drained(unfinished, stall_s=60, timeout_s=600)
-        if left:
-            log.warning("the copiers stopped making progress with %d records left; counting what they wrote", left)
-    finally:
-        for copier in copiers:
-            copier.stop()
-    progress("reading the outputs back (read_committed)", 0.9)
-    values = source.values
-    results = []
-    for client, (output, group, copier) in runs.items():
-        seen = [(m.value(), message_id_of(m.headers())) for m in read_back(conn, output)]
-        detail = f"{copier.kills} copier SIGKILLs mid-copy (each at >=20% progress, input left) of {len(values)} " \
-                 f"records fed"
-        if left:  # said in the verdict, so a stalled copier's backlog is not read as records it lost
-            detail += f"; the copier stalled with {group_lag(conn, group, source.topic)} input records uncommitted"
-        if client == RELIABLE:
-            everything = len(read_back(conn, output, isolation_level="read_uncommitted"))
-            detail += f"; {everything - len(seen)} records of aborted transactions hidden from read_committed"
-        results.append(result_from(NAME, client, values, seen, started, detail))
-    return results
+            for copier in copiers:
+                copier.stop()
+        progress("reading the outputs back (read_committed)", 0.9)
+        values = source.values
+        results = []
+        for client, (output, group, copier) in runs.items():
+            seen = [(m.value(), message_id_of(m.headers())) for m in read_back(conn, output)]
+            detail = f"{copier.kills} copier SIGKILLs mid-copy (each at >=20% progress, input left) of {len(values)} " \
+                     f"records fed"
+            if left:  # said in the verdict, so a stalled copier's backlog is not read as records it lost
+                stalled = offsets.group_lag(group, source.topic)
+                detail += f"; the copier stalled with {stalled} input records uncommitted"
+            if client == RELIABLE:
+                everything = len(read_back(conn, output, isolation_level="read_uncommitted"))
+                detail += f"; {everything - len(seen)} records of aborted transactions hidden from read_committed"
+            results.append(result_from(NAME, client, values, seen, started, detail))
+        return results
 
 
 SCENARIO = Scenario(

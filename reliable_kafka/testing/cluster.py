@@ -845,25 +845,3 @@ def consume_all(
     finally:
         consumer.close()
 
-
-def uncommitted_records(bootstrap_servers: str, topic: str, *, config: Mapping[str, Any] | None = None) -> int:
-    """How many offsets of `topic` lie past its last stable offset: records (and markers) of transactions
-    still open. A fault test aims its kill at a moment when this is > 0, so the kill leaves an open
-    transaction with data behind; 0 when the topic does not exist yet. `config` adds client settings (a
-    secured cluster's `client_config()`)."""
-    from confluent_kafka import Consumer, KafkaException, TopicPartition
-
-    ends: dict[str, dict[int, int]] = {}
-    for level in ("read_uncommitted", "read_committed"):
-        probe = Consumer({**(config or {}), "bootstrap.servers": bootstrap_servers,
-                          "group.id": f"rk-probe-{uuid.uuid4()}", "isolation.level": level})
-        try:
-            parts = sorted(probe.list_topics(topic, timeout=10).topics[topic].partitions)
-            # ListOffsets honours the isolation level: the high watermark, or the last stable offset.
-            ends[level] = {p: probe.get_watermark_offsets(TopicPartition(topic, p), timeout=10, cached=False)[1]
-                           for p in parts}
-        except (KafkaException, KeyError):
-            return 0
-        finally:
-            probe.close()
-    return sum(max(0, high - ends["read_committed"].get(p, high)) for p, high in ends["read_uncommitted"].items())

@@ -28,8 +28,8 @@ from reliable_kafka import Message, ReliableProducer
 from reliable_kafka.dlq import parse_dead_letter_headers
 from reliable_kafka.ids import message_id_of
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
-from reliable_kafka.testing.cluster import uncommitted_records
 from reliable_kafka.testing.gates import Feeder, fire_when, wait_for
+from reliable_kafka.testing.offsets_probe import uncommitted_records
 from tests.fixtures.members import MemberLogs
 
 log = logging.getLogger(__name__)

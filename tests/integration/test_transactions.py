@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from itertools import pairwise
@@ -23,18 +23,11 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 from reliable_kafka.dlq import parse_dead_letter_headers
 from reliable_kafka.errors import TransactionFenced
 from reliable_kafka.ids import message_id_of
-from reliable_kafka.lab.eos_copier_bounce import (
-    CopierProcess,
-    FedSource,
-    group_lag,
-    group_lags,
-    kill_rounds,
-    seed_input,
-)
+from reliable_kafka.lab.eos_copier_bounce import CopierProcess, FedSource, kill_rounds, seed_input
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
-from reliable_kafka.testing.cluster import uncommitted_records
 from reliable_kafka.testing.gates import Feeder, fire_when, wait_for
+from reliable_kafka.testing.offsets_probe import OffsetsProbe, group_lag
 from reliable_kafka.testing.verify import verdict
 from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
 from tests.fixtures.members import MemberLogs
@@ -85,6 +78,14 @@ class CommittedReader:
         return self.values
 
 
+@pytest.fixture
+def offsets(kafka: LocalKafkaCluster) -> Iterator[OffsetsProbe]:
+    """Lags and open transactions as the gates and feeders see them, over clients open for the whole test:
+    a gate looks many times a second, and a new client per look made the kills wait for their moment."""
+    with OffsetsProbe(kafka.bootstrap_servers) as probe:
+        yield probe
+
+
 def copier(kafka: LocalKafkaCluster, logs: MemberLogs, mode: str, source: str, output: str, group: str,
            instance: str, delay_ms: float, *, static: bool = False) -> CopierProcess:
     """A copier child logging to its member log; `static` uses static group membership, so a restart
@@ -120,7 +121,8 @@ def assert_exactly_once_in_key_order(kafka: LocalKafkaCluster, output: str, valu
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)  # 12 kills and restarts on a busy 2-core host; the phases below have their own limits
-def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka, make_topic, member_logs) -> None:
+def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka, make_topic, member_logs,
+                                                                          offsets) -> None:
     bs = kafka.bootstrap_servers
     source = FedSource(bs, make_topic(partitions=2, prefix="eos-in"))
     output, control_output = make_topic(partitions=3, prefix="eos-out"), make_topic(partitions=3, prefix="ctl-out")
@@ -138,22 +140,22 @@ def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka,
     group_of = {c: groups["eos"] for c in eos} | {c: groups["control"] for c in control}
 
     def done() -> bool:
-        return all(group_lag(bs, g, source.topic) == 0 for g in groups.values())
+        return all(offsets.group_lag(g, source.topic) == 0 for g in groups.values())
 
     def mid_copy(c: CopierProcess) -> bool:
         # The kill lands while this copier has input left (it is copying, not idle). A processor's kill
         # also waits until the output holds records of an open transaction, so most kills leave one for
         # the restart to abort. (Both processors write every output partition: it may be the other's.)
-        lags = group_lags(bs, group_of[c], source.topic)
+        lags = offsets.group_lags(group_of[c], source.topic)
         if not any(lags.get(p, 0) > 0 for p in c.partitions):
             return False
-        return c not in eos or uncommitted_records(bs, output) > 0
+        return c not in eos or offsets.uncommitted_records(output) > 0
 
     # Keeps every copier's partition ahead until the last kill, so no copy can finish before the kills
     # do however this host is loaded: ~3 s of copying left per partition at the low water mark, topped up
     # in chunks of ~3 s (the chunk's keys spread over both partitions).
     feeder = Feeder(lambda: source.feed(1_000),
-                    lambda: min(min(group_lags(bs, g, source.topic).values()) for g in groups.values()),
+                    lambda: min(min(offsets.group_lags(g, source.topic).values()) for g in groups.values()),
                     low=500, poll_s=0.5, max_top_ups=150, max_seconds=360, name="eos-input-feeder")
     reader = CommittedReader(bs, output, 3).start()
     try:
@@ -192,8 +194,8 @@ def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka,
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)  # three broker bounces, a copy of up to 180 s and a stop of up to 90 s, each bounded
-def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing(kafka, make_topic,
-                                                                                  member_logs) -> None:
+def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing(kafka, make_topic, member_logs,
+                                                                                  offsets) -> None:
     bs = kafka.bootstrap_servers
     source = FedSource(bs, make_topic(partitions=2, prefix="eos-in"))
     output = make_topic(partitions=3, prefix="eos-out")
@@ -203,7 +205,7 @@ def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing
     eos = [copier(kafka, member_logs, "eos", source.topic, output, group, f"c{i}", 4.0) for i in range(2)]
     # The input is kept ~2 s ahead of the copy until the last bounce: every bounce finds a running copy
     # however long a broker takes to come back on this host, and the copy cannot end in between.
-    feeder = Feeder(lambda: source.feed(1_000), lambda: group_lag(bs, group, source.topic), low=1_000, poll_s=0.5,
+    feeder = Feeder(lambda: source.feed(1_000), lambda: offsets.group_lag(group, source.topic), low=1_000, poll_s=0.5,
                     max_top_ups=150, max_seconds=400, name="eos-input-feeder")
     reader = CommittedReader(bs, output, 3).start()
     bounced_mid_copy = 0
@@ -225,8 +227,8 @@ def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing
                     # and the output holds records of an open transaction: the bounce hits a copy at work.
                     if commits() <= since:
                         return False
-                    lag[0] = group_lag(bs, group, source.topic)
-                    return lag[0] > 0 and uncommitted_records(bs, output) > 0
+                    lag[0] = offsets.group_lag(group, source.topic)
+                    return lag[0] > 0 and offsets.uncommitted_records(output) > 0
 
                 phases = [time.monotonic()]
                 fire_when(mid_copy, partial(kafka.kill, node), what=f"SIGKILL of broker {node}",
@@ -246,7 +248,7 @@ def test_brokers_sigkilled_one_by_one_during_the_copy_lose_and_duplicate_nothing
             feeder.stop()  # after the last bounce: what was fed is final, and the copy can finish
         log.info("3 broker bounces mid-copy; %d records fed in %d top-ups", len(source.values), feeder.top_ups)
         started = time.monotonic()
-        wait_until(lambda: group_lag(bs, group, source.topic) == 0, 180, "the copy to finish")
+        wait_until(lambda: offsets.group_lag(group, source.topic) == 0, 180, "the copy to finish")
         log.info("the copy finished %.1fs after the last bounce", time.monotonic() - started)
     finally:
         # A graceful stop commits first; right after a coordinator moved, one transactional call may take

@@ -21,9 +21,9 @@ from confluent_kafka.serialization import MessageField, SerializationContext, St
 
 from reliable_kafka import ReliableProducer, RetryPolicy, TransactionalProcessor
 from reliable_kafka.dlq import parse_dead_letter_headers
-from reliable_kafka.lab.eos_copier_bounce import group_lag
 from reliable_kafka.testing import consume_all
 from reliable_kafka.testing.gates import wait_for
+from reliable_kafka.testing.offsets_probe import group_lag
 from reliable_kafka.transactions import OutputRecord
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
