@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from reliable_kafka.admin import admin_client
-from reliable_kafka.bench.common import SHORT_RUN_S, TARGETS, BenchRow, Connection, run_facts
+from reliable_kafka.bench.common import SHORT_RUN_S, BenchRow, Connection, run_facts, target_of
 from reliable_kafka.bench.suites import consumer_bench, dedup_bench, producer_bench, producer_calls_bench
 from reliable_kafka.cli.connection import connection_config, connection_options, redact, running_cluster
 from reliable_kafka.cli.output import check_writable, console, emit_json, fail, table
@@ -72,11 +72,12 @@ def plot(rows: list[BenchRow], path: str) -> None:
     labels = [f"{r.name}: {r.variant}\nvs {r.baseline}" for r in shown]
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(shown) + 1.5))
     ys = range(len(shown))
-    colors = ["tab:grey" if (r.name, r.variant) not in TARGETS  # a reference row, no target
-              else "tab:green" if r.ratio_vs_baseline >= TARGETS[(r.name, r.variant)] else "tab:red" for r in shown]
+    targets = [target_of(r) for r in shown]
+    colors = ["tab:grey" if target is None  # a reference row, no target
+              else "tab:green" if r.ratio_vs_baseline >= target else "tab:red"
+              for r, target in zip(shown, targets, strict=True)]
     ax.barh(ys, [r.ratio_vs_baseline for r in shown], color=colors, height=0.6)
-    for y, r in zip(ys, shown, strict=True):
-        target = TARGETS.get((r.name, r.variant))
+    for y, r, target in zip(ys, shown, targets, strict=True):
         if target is not None:
             ax.vlines(target, y - 0.4, y + 0.4, colors="black", linestyles="dashed")
         ax.text(r.ratio_vs_baseline + 0.02, y, f"{r.ratio_vs_baseline:.2f}×", va="center", fontsize=8)
@@ -100,7 +101,7 @@ def _results_table(title: str, rows: list[BenchRow], *, to_stderr: bool) -> None
           [[r.name, r.variant, r.messages, f"{r.msgs_per_s:,.0f}",
             f"{min(r.runs):,.0f}–{max(r.runs):,.0f}" if r.runs else "", r.baseline, f"{r.ratio_vs_baseline:.2f}",
             "" if r.ratio_min is None or r.ratio_max is None else f"{r.ratio_min:.2f}–{r.ratio_max:.2f}",
-            "" if (r.name, r.variant) not in TARGETS else f"≥ {TARGETS[(r.name, r.variant)]}",
+            "" if target_of(r) is None else f"≥ {target_of(r)}",
             f"{r.peak_rss_mb:.0f}"] for r in rows], to_stderr=to_stderr)
 
 

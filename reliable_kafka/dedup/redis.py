@@ -13,7 +13,14 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from reliable_kafka.dedup.base import ClaimResult, DedupStore, distinct_keys, lease_ms, retention_ms
+from reliable_kafka.dedup.base import (
+    DEFAULT_RETENTION_S,
+    ClaimResult,
+    DedupStore,
+    distinct_keys,
+    lease_ms,
+    retention_ms,
+)
 from reliable_kafka.errors import DedupStoreUnavailable
 from reliable_kafka.extras import needs_extra
 
@@ -155,7 +162,7 @@ class RedisDedupStore(DedupStore):
         url_or_client: str | redis.Redis,
         *,
         prefix: str = "rk:dedup:",
-        retention_s: float = 7 * 24 * 3600,
+        retention_s: float = DEFAULT_RETENTION_S,
         socket_timeout_s: float = 2.0,
     ) -> None:
         """Connect to Redis and check it answers; a client passed in stays the caller's to close.

@@ -16,7 +16,14 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from reliable_kafka.dedup.base import ClaimResult, DedupStore, distinct_keys, lease_ms, retention_ms
+from reliable_kafka.dedup.base import (
+    DEFAULT_RETENTION_S,
+    ClaimResult,
+    DedupStore,
+    distinct_keys,
+    lease_ms,
+    retention_ms,
+)
 from reliable_kafka.errors import DedupStoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -104,7 +111,7 @@ class SQLiteDedupStore(DedupStore):
         self,
         path: str | os.PathLike[str],
         *,
-        retention_s: float = 7 * 24 * 3600,
+        retention_s: float = DEFAULT_RETENTION_S,
         busy_timeout_s: float = 5.0,
         purge_every: int = 10_000,
     ) -> None:
