@@ -17,6 +17,8 @@ Which file owns what:
 - rows.py: the ``messages`` table's rows (headers encoding, NewMessage in, OutboxRow out) and its SQL.
 - batches.py: the ``batches`` table and the in-memory view of its rows (which messages of a batch are
   confirmed), explode and the batch's share of the totals.
+- journal.py: the accept journal of durability "process": single appends as records in memory-mapped
+  segment files beside the outbox (no transaction), delivery records, and reading them back.
 
 The types the outbox takes and returns (``NewMessage``, ``OutboxRow``, ``OutboxStats``, ``Durability``)
 belong to the spool abstraction (reliable_kafka.spool) and are re-exported here for old imports.

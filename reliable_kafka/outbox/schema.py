@@ -24,7 +24,11 @@ adding the ``batches`` table):
   whole batch is sent again (each copy with its original's rk-id). A message of a batch that fails or
   is retried gets a row of its own in ``messages`` (same seq), and the batch row goes.
 - ``meta``: ``key``/``value`` pairs; ``format = reliable-kafka-outbox`` marks the file as ours and
-  ``schema_version`` says how to read it.
+  ``schema_version`` says how to read it; ``journal_settled_seq`` (durability "process") says that every
+  record of the accept journal with a seq up to it is a row or was delivered.
+- Beside the file, ``<outbox>.journal.N``: the accept journal's segments (layout in journal.py). A file
+  with segments next to it must be opened by a version that reads them (one that does not would leave
+  their messages unsent).
 - ``headers`` encoding: NULL for no headers, otherwise for each (name, value) pair in order a big-endian
   ``uint16`` name length, ``uint32`` value length, the UTF-8 name bytes, then the value bytes.
 """
