@@ -1,0 +1,59 @@
+"""The threaded rows of `reliable-kafka bench producer-calls`, alone: raw `produce()` and `send()` from 16
+threads and from one, on a 3-node local cluster, each variant run by the bench's own worker process.
+
+    python benchmarks/producer_calls_threads.py MESSAGES ROUNDS [VARIANT ...] > out.txt
+
+One unmeasured warm-up run, then ROUNDS interleaved rounds; each run's figures and the medians are
+printed, and every run is written to benchmarks/results/journal/producer-calls-threads.json. The full
+`bench producer-calls` (8 variants, 1M each, 3 rounds) takes over 40 minutes on a 2-core host.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from reliable_kafka.bench.common import run_variant
+from reliable_kafka.cli.bench import _create_topic_fn
+from reliable_kafka.testing.cluster import LocalKafkaCluster
+
+VARIANTS = ("raw-threads-16", "send-threads-16-process", "raw-threads-1", "send-threads-1-process")
+OUT = Path(__file__).resolve().parent / "results" / "journal" / "producer-calls-threads.json"
+
+
+def main() -> None:
+    n, rounds = int(sys.argv[1]), int(sys.argv[2])
+    variants = tuple(sys.argv[3:]) or VARIANTS
+    cluster = LocalKafkaCluster(brokers=3)
+    cluster.start()
+    cluster.wait_healthy()
+    try:
+        conn = cluster.client_config()
+        create = _create_topic_fn(conn)
+
+        def args() -> list[str]:
+            topic = f"calls-{uuid.uuid4().hex[:8]}"
+            create(topic, 3)
+            return ["--topic", topic, "--messages", str(n)]
+
+        run_variant("producer-calls", variants[0], args(), conn)  # warm-up, not measured
+        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+        for r in range(rounds):
+            for v in variants:
+                out = run_variant("producer-calls", v, args(), conn)
+                runs[v].append(out)
+                print(f"round {r + 1} {v}: {out['msgs_per_s']:,.0f} msgs/s", flush=True)
+        for v in variants:
+            print(f"{v}: median {statistics.median(x['msgs_per_s'] for x in runs[v]):,.0f} msgs/s")
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps({"messages": n, "rounds": rounds, "runs": runs}, indent=1))
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    main()
