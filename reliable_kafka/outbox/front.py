@@ -514,8 +514,7 @@ class Outbox:
         if self.read_only:
             # A viewer sees what the owner holds in its journal only, as it sees its rows.
             marker = self._marker()
-            from_batches += [OutboxRow(seq, m.message_id, m.topic, m.key, m.value, m.headers, m.partition, PENDING,
-                                       0, None, created_ms)
+            from_batches += [_journal_row(seq, m, created_ms)
                              for seq, m, created_ms in read_journal(self.path) if seq > max(marker, after_seq)]
         if from_batches:
             rows = sorted(rows + from_batches, key=lambda r: r.seq)[:limit]
@@ -533,9 +532,7 @@ class Outbox:
             seqs = (seq for seq in range(after_seq + 1, self._next_seq) if seq in unsettled)
         out = []
         for seq in seqs:
-            m, created_ms = unsettled[seq]
-            out.append(OutboxRow(seq, m.message_id, m.topic, m.key, m.value, m.headers, m.partition, PENDING, 0,
-                                 None, created_ms))
+            out.append(_journal_row(seq, *unsettled[seq]))
             if limit is not None and len(out) >= limit:
                 break
         return out
@@ -546,9 +543,7 @@ class Outbox:
             self._file.usable()
             entry = self._unsettled.get(seq)
             if entry is not None:
-                m, created_ms = entry
-                return OutboxRow(seq, m.message_id, m.topic, m.key, m.value, m.headers, m.partition, PENDING, 0,
-                                 None, created_ms)
+                return _journal_row(seq, *entry)
             try:
                 raw = self._conn.execute(f"SELECT {COLUMNS} FROM messages WHERE seq = ?", (seq,)).fetchone()
                 if raw is not None:
@@ -641,6 +636,11 @@ def _size(m: NewMessage) -> int:
     """A message's payload bytes as the bound counts them (rows.SIZE_SQL counts the encoded headers;
     this counts their values: close enough for a bound, and free of encoding)."""
     return (len(m.key) if m.key else 0) + (len(m.value) if m.value else 0) + sum(len(v) for _, v in m.headers)
+
+
+def _journal_row(seq: int, m: NewMessage, created_ms: int) -> OutboxRow:
+    """A journaled message as a pending row (never attempted: a retry or failure settles it first)."""
+    return OutboxRow(seq, m.message_id, m.topic, m.key, m.value, m.headers, m.partition, PENDING, 0, None, created_ms)
 
 
 def _rows_with_seqs(records: Sequence[tuple[int, NewMessage, int]]) -> tuple[list[tuple[Any, ...]], int]:
