@@ -84,6 +84,7 @@ class LoopStallProbe:
         self.worst_s = 0.0
         self.worst_raw_s = 0.0
         self.cpu_wait_s = 0.0  # discounted in all, when discounting
+        self.wakeups = 0  # completed waits: lets a caller wait for the probe to have measured something
         self._discount = discount_cpu_waits
         self._task: asyncio.Task[None] | None = None
         self._asleep_since: float | None = None
@@ -97,6 +98,7 @@ class LoopStallProbe:
                 self._asleep_since = before = loop.time()
                 await asyncio.sleep(self.interval_s)
                 self._asleep_since = None
+                self.wakeups += 1
                 over = loop.time() - before - self.interval_s
                 self.worst_raw_s = max(self.worst_raw_s, over)
                 if threads is not None and waited is not None:

@@ -35,17 +35,30 @@ def test_a_blocking_call_on_the_loop_is_measured_and_a_free_loop_is_not() -> Non
 
 
 # A loop whose process gets almost no CPU: pinned to one core beside two busy processes. `body` sets up
-# the starvation of its part and defines `main()`, a coroutine that returns its probe.
+# the starvation of its part and defines `main()`, a coroutine that returns its probe; it calls
+# `until_measured(probe)` instead of sleeping a fixed time. The probe starts only once both busy
+# processes run (each says so), and measures for at least a second and until it has woken a few times
+# and seen a starved (late) wake-up: on a loaded host a starved loop may not wake at all in a fixed
+# second, and a probe that never woke measures nothing.
 _STARVED_CORE = """
-import asyncio, json, os, subprocess, sys, threading
+import asyncio, json, os, subprocess, sys, threading, time
 from reliable_kafka.testing.loop_stall import LoopStallProbe
 os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})
-spin = "import time\\nend = time.monotonic() + 10\\nwhile time.monotonic() < end: pass"
-busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+spin = "import sys, time\\nprint(flush=True)\\nend = time.monotonic() + 120\\nwhile time.monotonic() < end: pass"
+busy = [subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE) for _ in range(2)]
+async def until_measured(probe):
+    start = time.monotonic()
+    while time.monotonic() - start < 60:
+        if probe.wakeups >= 3 and probe.worst_raw_s >= 0.05 and time.monotonic() - start >= 1.0:
+            break
+        await asyncio.sleep(0.05)
 try:
+    for b in busy:
+        b.stdout.readline()  # it runs
 {body}
     probe = asyncio.run(main())
-    print(json.dumps({{"raw": probe.worst_raw_s, "ours": probe.worst_s, "cpu_wait": probe.cpu_wait_s}}))
+    print(json.dumps({{"raw": probe.worst_raw_s, "ours": probe.worst_s, "cpu_wait": probe.cpu_wait_s,
+                      "wakeups": probe.wakeups}}))
 finally:
     for b in busy:
         b.kill()
@@ -56,7 +69,7 @@ finally:
 def _starved(body: str) -> dict[str, float]:
     """Run `body` on the starved core in a child process; its probe's raw and discounted worst stall."""
     script = _STARVED_CORE.format(body=body)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
@@ -65,7 +78,7 @@ _LOOP_STARVED = """
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     async def main():
         with LoopStallProbe(0.002, discount_cpu_waits=True) as probe:
-            await asyncio.sleep(1.0)
+            await until_measured(probe)
         return probe
 """
 
@@ -102,7 +115,7 @@ _GIL_HOLDER_STARVED = """
         with LoopStallProbe(0.002, discount_cpu_waits=True) as probe:
             t = threading.Thread(target=holder)
             t.start()
-            await asyncio.sleep(1.0)
+            await until_measured(probe)
             stop.set()
         t.join()
         return probe
