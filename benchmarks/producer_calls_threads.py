@@ -1,10 +1,11 @@
 """The threaded rows of `reliable-kafka bench producer-calls`, alone: raw `produce()` and `send()` from 16
 threads and from one, on a 3-node local cluster, each variant run by the bench's own worker process.
 
-    python benchmarks/producer_calls_threads.py MESSAGES ROUNDS [VARIANT ...] > out.txt
+    python benchmarks/producer_calls_threads.py [--out PATH] MESSAGES ROUNDS [VARIANT ...] > out.txt
 
 One unmeasured warm-up run, then ROUNDS interleaved rounds; each run's figures and the medians are
-printed, and every run is written to benchmarks/results/journal/producer-calls-threads.json. The full
+printed, and every run is written to PATH (default benchmarks/results/journal/producer-calls-threads.json).
+Other rows of the suite run the same way when named (e.g. aio-raw-tasks-200 aio-send-tasks-200-memory). The full
 `bench producer-calls` (8 variants, 1M each, 3 rounds) takes over 40 minutes on a 2-core host.
 """
 
@@ -26,8 +27,12 @@ OUT = Path(__file__).resolve().parent / "results" / "journal" / "producer-calls-
 
 
 def main() -> None:
-    n, rounds = int(sys.argv[1]), int(sys.argv[2])
-    variants = tuple(sys.argv[3:]) or VARIANTS
+    argv = sys.argv[1:]
+    out_path = OUT
+    if argv[:1] == ["--out"]:
+        out_path, argv = Path(argv[1]), argv[2:]
+    n, rounds = int(argv[0]), int(argv[1])
+    variants = tuple(argv[2:]) or VARIANTS
     cluster = LocalKafkaCluster(brokers=3)
     cluster.start()
     cluster.wait_healthy()
@@ -49,8 +54,8 @@ def main() -> None:
                 print(f"round {r + 1} {v}: {out['msgs_per_s']:,.0f} msgs/s", flush=True)
         for v in variants:
             print(f"{v}: median {statistics.median(x['msgs_per_s'] for x in runs[v]):,.0f} msgs/s")
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps({"messages": n, "rounds": rounds, "runs": runs}, indent=1))
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps({"messages": n, "rounds": rounds, "runs": runs}, indent=1))
     finally:
         cluster.stop()
 
