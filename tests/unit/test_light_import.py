@@ -91,3 +91,24 @@ def test_spark_connector_without_its_extra_names_the_extra() -> None:
     message = _missing_extra("import reliable_kafka.spark")
     assert "needs the spark extra" in message
     assert "pip install 'reliable-kafka[spark]'" in message
+
+
+def test_reopening_an_outbox_does_not_load_sqlite_utils(tmp_path: Path) -> None:
+    """sqlite-utils creates an outbox's schema; a restart that reopens the file does not load it (nor the
+    pandas it imports when installed), and the reopened outbox still takes and keeps messages."""
+    path = tmp_path / "o.db"
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from reliable_kafka.outbox import Outbox
+        from reliable_kafka.spool import NewMessage
+        o = Outbox({str(path)!r}, durability="fsync")
+        o.append([NewMessage(f"id-{{len(o.pending())}}", "t", b"v")])
+        print(len(o.pending()), "sqlite_utils" in sys.modules)
+        o.close()
+        """
+    )
+    created, reopened = _python(code), _python(code)
+    assert created.returncode == 0 and reopened.returncode == 0, created.stderr + reopened.stderr
+    assert created.stdout.split() == ["1", "True"]  # a new file: the schema is sqlite-utils' work
+    assert reopened.stdout.split() == ["2", "False"]
