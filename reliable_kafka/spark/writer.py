@@ -491,12 +491,16 @@ class _ExactlyOnce:
             raise self._failure(exc, what) from exc
 
     def _failure(self, exc: KafkaException, what: str) -> Exception:
+        # A fenced producer answers _FATAL ("Local: Fatal error") to a later produce(): only the producer's
+        # fatal error tells that it was a fence.
+        fatal = self.fatal.seen(self.producer)
+        cause = fatal if fatal is not None and kafka_errors.code_of(exc) == KafkaError._FATAL else None
         reason = (f"{what} failed for write {self.options.write_id!r} partition {self.partition}: "
-                  f"{kafka_errors.describe(exc)}")
-        # A fenced producer answers _FATAL to a later produce(): its fatal error tells that it was a fence.
-        if kafka_errors.is_fenced(exc, self.fatal.seen(self.producer)):
+                  f"{kafka_errors.describe(exc)}"
+                  + (f" (the producer's fatal error: {kafka_errors.describe(cause)})" if cause else ""))
+        if kafka_errors.is_fenced(exc, fatal):
             return TransactionFenced(f"{reason}; a newer attempt of this partition took over",
-                                     code=kafka_errors.name_of(exc))
+                                     code=kafka_errors.name_of(cause or exc))
         if kafka_errors.code_of(exc) == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
             # Every retry of the task is refused alike: say which grant the job's principal needs.
             return TransactionalIdAuthorizationFailed(
