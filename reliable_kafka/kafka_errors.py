@@ -7,7 +7,6 @@ are decided the same way everywhere.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from collections.abc import Callable
 from typing import Any
@@ -153,7 +152,8 @@ class FatalError:
 
     librdkafka hands error_cb the underlying error of a fatal state (its ERR__FATAL event translated, with
     fatal() true), while produce() on that client only says _FATAL. Other errors go to `forward`, the
-    error_cb the caller configured, if any.
+    error_cb the caller configured, if any. confluent-kafka 2.16 no longer calls error_cb for a fatal
+    error: poll() raises it once, as a KafkaException, and `seen()` keeps it from there.
     """
 
     def __init__(self, forward: Callable[[KafkaError], None] | None = None) -> None:
@@ -169,8 +169,15 @@ class FatalError:
     def seen(self, client: Any = None) -> KafkaError | None:
         """The fatal error, once `client` (the producer it watches) served its pending callbacks."""
         if self.error is None and client is not None:
-            with contextlib.suppress(KafkaException, RuntimeError):  # RuntimeError: the client is closed
+            try:
                 client.poll(0)
+            except KafkaException as exc:
+                # The fatal event, raised instead of handed to error_cb; poll() raises it only once.
+                err = _unwrap(exc)
+                if isinstance(err, KafkaError) and err.fatal():
+                    self.error = err
+            except RuntimeError:  # the client is closed
+                pass
         return self.error
 
 

@@ -6,12 +6,13 @@ writing, whether its write id already completed (then every task only verifies i
 
 from __future__ import annotations
 
-from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceWriter
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamWriter, DataSourceWriter
 from pyspark.sql.types import StructType
 
 from reliable_kafka.errors import ConfigError
 from reliable_kafka.spark.options import EXACTLY_ONCE, reader_options, writer_options
 from reliable_kafka.spark.reader import KafkaReader, schema_ddl
+from reliable_kafka.spark.stream_writer import KafkaStreamArrowWriter, stream_writer_options
 from reliable_kafka.spark.writer import KafkaArrowWriter, check_input_schema, prepare_write
 
 FORMAT = "reliable_kafka"
@@ -37,3 +38,11 @@ class ReliableKafkaDataSource(DataSource):
         check_input_schema(schema, options)
         manifest = prepare_write(options) if options.guarantee == EXACTLY_ONCE else None
         return KafkaArrowWriter(options, manifest)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        # Spark calls it at the query's start and again on the driver for every batch's commit.
+        if overwrite:
+            raise ConfigError("outputMode", "a Kafka topic is append-only: use outputMode('append')")
+        options = stream_writer_options(self.options)
+        check_input_schema(schema, options)
+        return KafkaStreamArrowWriter(options)

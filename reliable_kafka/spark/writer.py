@@ -310,9 +310,13 @@ def _rk_id(msg: Any) -> str:
 TRANSACTIONAL_ID_PREFIX = "rk-spark-"
 
 
-def transactional_id(write_id: str, partition: int) -> str:
-    """One per (write id, Spark partition), never per attempt: a new attempt fences the old one."""
-    return f"{TRANSACTIONAL_ID_PREFIX}{write_id}-{partition}"
+def transactional_id(scope: str, partition: int) -> str:
+    """One per (scope, Spark partition), never per attempt: a new attempt fences the old one.
+
+    The scope is the write id of a batch write, the query of a stream (one id for all its micro-batches:
+    a zombie of an earlier batch is fenced too, and the broker keeps one id per partition, not per batch).
+    """
+    return f"{TRANSACTIONAL_ID_PREFIX}{scope}-{partition}"
 
 
 class _ExactlyOnce:
@@ -324,11 +328,13 @@ class _ExactlyOnce:
     Completeness is decided by an attempt Spark accepted, recorded in the driver's manifest.
     """
 
-    def __init__(self, options: WriterOptions, partition: int, attempt: int) -> None:
+    def __init__(self, options: WriterOptions, partition: int, attempt: int, transaction_scope: str | None = None
+                 ) -> None:
         self.options = options
         self.partition = partition
         self.attempt = attempt
         self.key = partition_key(options.write_id, partition)
+        self.transactional_id = transactional_id(transaction_scope or options.write_id, partition)
         self.markers = MarkerTopic(options.kafka, options.marker_topic)
         self.fingerprint = Fingerprint(seed=options.topic or "")
         self.crashed = False  # the test hook "crashed" this attempt: leave its transaction open
@@ -372,7 +378,7 @@ class _ExactlyOnce:
         first = next(source, None)
         if first is None:
             return self._empty_input()
-        settings = self.options.producer_settings(transactional_id(self.options.write_id, self.partition))
+        settings = self.options.producer_settings(self.transactional_id)
         self.fatal = kafka_errors.FatalError(settings.get("error_cb"))
         settings["error_cb"] = self.fatal
         producer = self.producer = Producer(settings)
@@ -491,16 +497,20 @@ class _ExactlyOnce:
             raise self._failure(exc, what) from exc
 
     def _failure(self, exc: KafkaException, what: str) -> Exception:
+        # A fenced producer answers _FATAL ("Local: Fatal error") to a later produce(): only the producer's
+        # fatal error tells that it was a fence.
+        fatal = self.fatal.seen(self.producer)
+        cause = fatal if fatal is not None and kafka_errors.code_of(exc) == KafkaError._FATAL else None
         reason = (f"{what} failed for write {self.options.write_id!r} partition {self.partition}: "
-                  f"{kafka_errors.describe(exc)}")
-        # A fenced producer answers _FATAL to a later produce(): its fatal error tells that it was a fence.
-        if kafka_errors.is_fenced(exc, self.fatal.seen(self.producer)):
+                  f"{kafka_errors.describe(exc)}"
+                  + (f" (the producer's fatal error: {kafka_errors.describe(cause)})" if cause else ""))
+        if kafka_errors.is_fenced(exc, fatal):
             return TransactionFenced(f"{reason}; a newer attempt of this partition took over",
-                                     code=kafka_errors.name_of(exc))
+                                     code=kafka_errors.name_of(cause or exc))
         if kafka_errors.code_of(exc) == KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED:
             # Every retry of the task is refused alike: say which grant the job's principal needs.
             return TransactionalIdAuthorizationFailed(
-                transactional_id(self.options.write_id, self.partition), what, kafka_errors.describe(exc),
+                self.transactional_id, what, kafka_errors.describe(exc),
                 prefix=TRANSACTIONAL_ID_PREFIX)
         if kafka_errors.classify(exc) is Disposition.ABORTABLE:
             return PartitionWriteFailed(
@@ -607,25 +617,38 @@ def write_partition(
     partition: int,
     attempt: int,
     manifest: Manifest | None = None,
+    transaction_scope: str | None = None,
 ) -> PartitionCommit:
     """Write one Spark partition's rows (what a task does; callable directly to model concurrent attempts).
 
+    The batch writer and the stream writer both call it: `options.write_id` names the rows (rk-ids,
+    markers), `transaction_scope` (default: the write id) names the exactly_once transactional.id.
     With an OpenTelemetry SDK in the worker, the task is a `send` span whose context every row carries.
     """
     if not telemetry.tracing_enabled():
-        return _write_partition(options, batches, partition, attempt, manifest)
+        return _write_partition(options, batches, partition, attempt, manifest, transaction_scope)
     with telemetry.batch_send_span(options.topic, **{
         "reliable_kafka.write_id": options.write_id, "reliable_kafka.guarantee": options.guarantee,
         "reliable_kafka.spark.partition": partition, "reliable_kafka.spark.attempt": attempt,
     }):
-        return _write_partition(options, batches, partition, attempt, manifest)
+        return _write_partition(options, batches, partition, attempt, manifest, transaction_scope)
 
 
 def _write_partition(options: WriterOptions, batches: Iterable[pa.RecordBatch], partition: int, attempt: int,
-                     manifest: Manifest | None) -> PartitionCommit:
+                     manifest: Manifest | None, transaction_scope: str | None) -> PartitionCommit:
     if options.guarantee == AT_LEAST_ONCE:
         return _write_at_least_once(options, batches, partition, attempt)
-    return _ExactlyOnce(options, partition, attempt).run(batches, manifest)
+    return _ExactlyOnce(options, partition, attempt, transaction_scope).run(batches, manifest)
+
+
+def current_task() -> Any:
+    """The running Spark task's TaskContext (its partition, attempt and local properties)."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    if context is None:
+        raise PartitionWriteFailed("write() runs inside a Spark task; call write_partition() elsewhere")
+    return context
 
 
 class KafkaArrowWriter(DataSourceArrowWriter):
@@ -636,11 +659,7 @@ class KafkaArrowWriter(DataSourceArrowWriter):
         self.manifest = manifest
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionCommit:
-        from pyspark import TaskContext
-
-        context = TaskContext.get()
-        if context is None:
-            raise PartitionWriteFailed("write() runs inside a Spark task; call write_partition() elsewhere")
+        context = current_task()
         return write_partition(
             self.options, iterator, partition=context.partitionId(), attempt=context.attemptNumber(),
             manifest=self.manifest,
