@@ -79,6 +79,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # Trigger.AvailableNow: the last stable offsets when the query started; it reads no further.
         self._stop_at: Offsets | None = None
         self._latest: Offsets | None = None
+        self._group_offsets: Offsets | None = None  # what commitGroupOffsets last committed
 
     def __getstate__(self) -> dict[str, Any]:
         # Spark pickles the reader into its tasks; a Kafka client cannot travel, a task makes its own.
@@ -103,6 +104,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._stop_at = log_bounds(self.options.reader, self._admin_client())[1]
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        # Spark asks for the next batch's end only once the previous batch is done: `start` is what
+        # the query has processed. Its commit() comes later (when a next batch is planned, so never
+        # while the topic is quiet), so the group's offsets are moved here too.
+        self._commit_group(offset_map(start))
         earliest, latest = log_bounds(self.options.reader, self._admin_client())
         self._latest = latest
         begin = {}
@@ -167,12 +172,17 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         log.warning("%s[%d]: %s; skipping ahead (failOnDataLoss=false)", topic, partition, what)
 
     def commit(self, end: dict) -> None:
-        if not self.options.commit_group_offsets:
+        self._commit_group(offset_map(end))
+
+    def _commit_group(self, offsets: Offsets) -> None:
+        """commitGroupOffsets: record processed offsets for kafka.group.id, once per change."""
+        if not self.options.commit_group_offsets or offsets == self._group_offsets:
             return
         group = self.options.reader.group_id
         assert group is not None  # stream_reader_options requires kafka.group.id with commitGroupOffsets
         try:
-            commit_group_offsets(self.options.reader.kafka, group, offset_map(end))
+            commit_group_offsets(self.options.reader.kafka, group, offsets)
+            self._group_offsets = offsets
         except CommitFailed as exc:
             # The checkpoint, not the group, is where the query resumes from: a failed commit only
             # leaves the group's lag stale until the next micro-batch commits again.

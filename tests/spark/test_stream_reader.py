@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,10 @@ BOOT = {"kafka.bootstrap.servers": "127.0.0.1:9", "subscribe": "t"}
 class Run:
     """What one streaming query handed its foreachBatch sink: each micro-batch's values, by batch id."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_batch: Callable[[int], None] | None = None) -> None:
         self.batches: dict[int, list[bytes]] = {}
         self.attempts: dict[int, int] = {}
+        self.on_batch = on_batch  # called in the sink with the batch id, after the batch is stored
 
     def values(self) -> list[bytes]:
         return [v for batch in self.batches.values() for v in batch]
@@ -52,6 +54,8 @@ def run_available_now(
     def sink(df: Any, batch_id: int) -> None:
         run.batches[batch_id] = [r.value for r in df.select("value").collect()]
         run.attempts[batch_id] = run.attempts.get(batch_id, 0) + 1
+        if run.on_batch is not None:
+            run.on_batch(batch_id)
         if batch_id == fail_after_batch:
             raise RuntimeError(f"injected failure after batch {batch_id} was written")
 
@@ -175,16 +179,25 @@ def test_stream_commits_the_group_offsets_after_each_batch(spark, kafka, make_to
     topic = make_topic(partitions=2)
     committed, _ = produce_with_aborted_transactions(boot, topic, 2, rounds=2)
     group = f"rk-stream-{uuid.uuid4().hex[:8]}"
-    run = Run()
+    admin = kafka.admin()
+
+    def group_offsets() -> dict[int, int]:
+        request = ConsumerGroupTopicPartitions(group, [TopicPartition(topic, p) for p in range(2)])
+        found = admin.list_consumer_group_offsets([request])[group].result(30)
+        return {tp.partition: tp.offset for tp in found.topic_partitions}
+
+    seen: dict[int, int] = {}  # batch id -> how far the group was while the batch ran
+    run = Run(on_batch=lambda batch_id: seen.__setitem__(batch_id, sum(group_offsets().values())))
 
     run_available_now(spark, boot, topic, tmp_path / "cp", run, maxOffsetsPerTrigger=300,
                       commitGroupOffsets="true", **{"kafka.group.id": group})
 
     assert len(run.values()) == len(committed)
-    request = ConsumerGroupTopicPartitions(group, [TopicPartition(topic, p) for p in range(2)])
-    found = kafka.admin().list_consumer_group_offsets([request])[group].result(30)
-    # The group's offsets are the ends of the last batch: the whole log, so its lag is zero.
-    assert {tp.partition: tp.offset for tp in found.topic_partitions} == stable_offsets(boot, topic, 2)
+    assert len(run.batches) >= 3
+    # While batch n runs the group holds the end of batch n-1: it moves forward with every batch.
+    assert [seen[b] for b in sorted(seen)] == sorted(set(seen.values())), seen
+    # After the last batch, the group's offsets are the end of the log: its lag is zero.
+    assert group_offsets() == stable_offsets(boot, topic, 2)
 
 
 @pytest.mark.cluster
