@@ -123,7 +123,7 @@ def test_stream_options_are_refused_with_the_option_named(options, key) -> None:
 def test_stream_reads_committed_records_once_in_limited_batches(spark, kafka, make_topic, tmp_path) -> None:
     topic = make_topic(partitions=3)
     committed, aborted = produce_with_aborted_transactions(kafka.bootstrap_servers, topic, 3)
-    limit = 250
+    limit = 400
     run = Run()
 
     run_available_now(spark, kafka.bootstrap_servers, topic, tmp_path / "cp", run, maxOffsetsPerTrigger=limit)
@@ -189,7 +189,7 @@ def test_stream_commits_the_group_offsets_after_each_batch(spark, kafka, make_to
     seen: dict[int, int] = {}  # batch id -> how far the group was while the batch ran
     run = Run(on_batch=lambda batch_id: seen.__setitem__(batch_id, sum(group_offsets().values())))
 
-    run_available_now(spark, boot, topic, tmp_path / "cp", run, maxOffsetsPerTrigger=300,
+    run_available_now(spark, boot, topic, tmp_path / "cp", run, maxOffsetsPerTrigger=150,
                       commitGroupOffsets="true", **{"kafka.group.id": group})
 
     assert len(run.values()) == len(committed)
