@@ -15,13 +15,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from confluent_kafka import Consumer, KafkaException, TopicPartition
 from pyspark.sql import DataFrame, SparkSession
 
-from reliable_kafka import kafka_errors
-from reliable_kafka.config import connection_settings, consumer_config
-from reliable_kafka.errors import CommitFailed, ConfigError, WriteRefused
-from reliable_kafka.retry import retry_kafka_call
+from reliable_kafka.errors import ConfigError, WriteRefused
 from reliable_kafka.spark.markers import Manifest, MarkerTopic, manifest_key
 from reliable_kafka.spark.options import (
     AT_LEAST_ONCE,
@@ -30,7 +26,7 @@ from reliable_kafka.spark.options import (
     reader_options,
     writer_options,
 )
-from reliable_kafka.spark.reader import OffsetRange, offsets_json, resolve_ranges, schema_ddl
+from reliable_kafka.spark.reader import OffsetRange, commit_group_offsets, offsets_json, resolve_ranges, schema_ddl
 from reliable_kafka.spark.source import FORMAT, ReliableKafkaDataSource
 
 log = logging.getLogger(__name__)
@@ -130,28 +126,9 @@ class KafkaBatch:
         """Commit the end offset of every range for the group (call once the job succeeded)."""
         if not self.group_id:
             raise ConfigError("group_id", "commit() needs the consumer group the batch was read for")
-        offsets = [TopicPartition(r.topic, r.partition, r.end) for r in self.ranges]
-        if not offsets:
-            self.committed = True
-            return
-        consumer = Consumer(consumer_config({**connection_settings(self.kafka), "group.id": self.group_id}))
-        try:
-            result = retry_kafka_call(
-                lambda: consumer.commit(offsets=offsets, asynchronous=False), deadline_s=60.0, what="offset commit"
-            )
-        except Exception as exc:
-            raise CommitFailed(f"could not commit offsets of group {self.group_id!r}: {exc}",
-                               code=kafka_errors.name_of(exc) if isinstance(exc, KafkaException) else None) from exc
-        finally:
-            consumer.close()
-        failed = [tp for tp in result or () if tp.error is not None]
-        if failed:
-            tp, error = failed[0], failed[0].error
-            assert error is not None
-            raise CommitFailed(f"group {self.group_id!r}: commit refused for {tp.topic}[{tp.partition}]: {error}",
-                               code=kafka_errors.name_of(error), topic=tp.topic, partition=tp.partition)
+        commit_group_offsets(self.kafka, self.group_id, {(r.topic, r.partition): r.end for r in self.ranges})
         self.committed = True
-        log.info("group %s committed %d partition(s)", self.group_id, len(offsets))
+        log.info("group %s committed %d partition(s)", self.group_id, len(self.ranges))
 
     def __enter__(self) -> KafkaBatch:
         return self

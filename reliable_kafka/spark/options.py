@@ -260,3 +260,34 @@ def reader_options(options: Mapping[str, str]) -> ReaderOptions:
         raise ConfigError("subscribe", "names no topic")
     opts.consumer_settings()  # refuse unsafe kafka.* settings (e.g. read_uncommitted) on the driver
     return opts
+
+
+@dataclass(frozen=True)
+class StreamReaderOptions:
+    """What a streaming read needs beyond a batch read's options; pickled to every task."""
+
+    reader: ReaderOptions
+    # None: every micro-batch reads all that is committed (Spark's ReadAllAvailable).
+    max_offsets_per_trigger: int | None = None
+    fail_on_data_loss: bool = True
+    commit_group_offsets: bool = False
+
+
+def stream_reader_options(options: Mapping[str, str]) -> StreamReaderOptions:
+    """Validate a streaming read's options (spark.readStream.format("reliable_kafka").option(...))."""
+    if _get(options, "endingOffsets") is not None:
+        raise ConfigError(
+            "endingOffsets",
+            "a stream has no end offset: use trigger(availableNow=True) to stop at what is committed now, "
+            "or spark.read for a fixed range",
+        )
+    reader = reader_options(options)
+    commit = _bool(options, "commitGroupOffsets", False)
+    if commit and not reader.group_id:
+        raise ConfigError("kafka.group.id", "is required with commitGroupOffsets=true: which group's offsets?")
+    return StreamReaderOptions(
+        reader=reader,
+        max_offsets_per_trigger=_int(options, "maxOffsetsPerTrigger", 0, minimum=1) or None,
+        fail_on_data_loss=_bool(options, "failOnDataLoss", True),
+        commit_group_offsets=commit,
+    )

@@ -12,7 +12,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -24,6 +24,7 @@ from confluent_kafka import (
     Consumer,
     IsolationLevel,
     KafkaError,
+    KafkaException,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient, OffsetSpec
@@ -32,7 +33,7 @@ from pyspark.sql.types import StructType
 
 from reliable_kafka import kafka_errors
 from reliable_kafka.config import connection_settings, consumer_config
-from reliable_kafka.errors import ConfigError, ReadIncomplete
+from reliable_kafka.errors import CommitFailed, ConfigError, ReadIncomplete
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.retry import retry_kafka_call
 from reliable_kafka.spark.options import EARLIEST, LATEST, ReaderOptions
@@ -128,7 +129,38 @@ def _committed(options: ReaderOptions, tps: list[TopicPartition]) -> dict[tuple[
 
 
 def _from_json(raw: str) -> dict[tuple[str, int], int]:
-    return {(topic, int(p)): int(o) for topic, parts in json.loads(raw).items() for p, o in parts.items()}
+    return offset_map(json.loads(raw))
+
+
+def offset_map(parsed: Mapping[str, Mapping[str, int]]) -> dict[tuple[str, int], int]:
+    """{(topic, partition): offset} of a parsed offset map in Spark's format ({"topic": {"0": 23}})."""
+    return {(topic, int(p)): int(o) for topic, parts in parsed.items() for p, o in parts.items()}
+
+
+def commit_group_offsets(kafka: Mapping[str, Any], group_id: str, offsets: Mapping[tuple[str, int], int]) -> None:
+    """Commit `offsets` (the next offset to read, per partition) for `group_id`, as a consumer outside the group.
+
+    Raises CommitFailed when the commit cannot be made (for instance while the group has active members).
+    """
+    tps = [TopicPartition(topic, partition, offset) for (topic, partition), offset in sorted(offsets.items())]
+    if not tps:
+        return
+    consumer = Consumer(consumer_config({**connection_settings(kafka), "group.id": group_id}))
+    try:
+        result = retry_kafka_call(
+            lambda: consumer.commit(offsets=tps, asynchronous=False), deadline_s=60.0, what="offset commit"
+        )
+    except Exception as exc:
+        raise CommitFailed(f"could not commit offsets of group {group_id!r}: {exc}",
+                           code=kafka_errors.name_of(exc) if isinstance(exc, KafkaException) else None) from exc
+    finally:
+        consumer.close()
+    failed = [tp for tp in result or () if tp.error is not None]
+    if failed:
+        tp, error = failed[0], failed[0].error
+        assert error is not None
+        raise CommitFailed(f"group {group_id!r}: commit refused for {tp.topic}[{tp.partition}]: {error}",
+                           code=kafka_errors.name_of(error), topic=tp.topic, partition=tp.partition)
 
 
 def _pick(
@@ -151,18 +183,35 @@ def _pick(
     return out
 
 
+def log_bounds(
+    options: ReaderOptions, admin: AdminClient | None = None
+) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
+    """(earliest offset, last stable offset) of every selected partition now: what a read can reach.
+
+    The last stable offset (read_committed) is the end of what is committed: no open transaction
+    lies below it, so a read that stops there never waits on one.
+    """
+    admin = admin or AdminClient(connection_settings(options.kafka))
+    tps = _selected_partitions(options, admin)
+    return _list_offsets(admin, tps, OffsetSpec.earliest()), _list_offsets(admin, tps, OffsetSpec.latest())
+
+
+def starting_offsets(
+    options: ReaderOptions, earliest: dict[tuple[str, int], int], latest: dict[tuple[str, int], int]
+) -> dict[tuple[str, int], int]:
+    """Where the startingOffsets option starts each partition of `earliest`."""
+    tps = [TopicPartition(topic, partition) for topic, partition in earliest]
+    committed = _committed(options, tps) if options.starting_offsets == "committed" else {}
+    return _pick(options.starting_offsets, EARLIEST, earliest, latest, committed)
+
+
 def resolve_ranges(options: ReaderOptions) -> list[OffsetRange]:
     """Turn the offset options into concrete ranges (empty ones included), once, on the driver.
 
     "latest" is the last stable offset (read_committed): the end of what is committed now.
     """
-    admin = AdminClient(connection_settings(options.kafka))
-    tps = _selected_partitions(options, admin)
-    earliest = _list_offsets(admin, tps, OffsetSpec.earliest())
-    latest = _list_offsets(admin, tps, OffsetSpec.latest())
-
-    committed = _committed(options, tps) if options.starting_offsets == "committed" else {}
-    starts = _pick(options.starting_offsets, EARLIEST, earliest, latest, committed)
+    earliest, latest = log_bounds(options)
+    starts = starting_offsets(options, earliest, latest)
     ends = _pick(options.ending_offsets, LATEST, earliest, latest, {})
     ranges = []
     for (topic, partition), start in sorted(starts.items()):
@@ -177,10 +226,19 @@ def resolve_ranges(options: ReaderOptions) -> list[OffsetRange]:
 
 def offsets_json(ranges: list[OffsetRange], which: str) -> str:
     """A JSON offset map (Spark's format) of the ranges' start or end offsets."""
+    return json.dumps(offset_dict({(r.topic, r.partition): r.start if which == "start" else r.end for r in ranges}))
+
+
+def offset_dict(offsets: Mapping[tuple[str, int], int]) -> dict[str, dict[str, int]]:
+    """The offset map in Spark's format ({"topic": {"0": 23}}), topics and partitions in order.
+
+    Always the same order: a streaming query compares offsets as JSON text, and the same offsets in
+    another order would look like new data.
+    """
     out: dict[str, dict[str, int]] = {}
-    for r in ranges:
-        out.setdefault(r.topic, {})[str(r.partition)] = r.start if which == "start" else r.end
-    return json.dumps(out)
+    for (topic, partition), offset in sorted(offsets.items()):
+        out.setdefault(topic, {})[str(partition)] = offset
+    return out
 
 
 # ---- reading (tasks) -------------------------------------------------------------------------------

@@ -6,12 +6,19 @@ writing, whether its write id already completed (then every task only verifies i
 
 from __future__ import annotations
 
-from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamWriter, DataSourceWriter
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    DataSourceStreamWriter,
+    DataSourceWriter,
+)
 from pyspark.sql.types import StructType
 
 from reliable_kafka.errors import ConfigError
-from reliable_kafka.spark.options import EXACTLY_ONCE, reader_options, writer_options
+from reliable_kafka.spark.options import EXACTLY_ONCE, reader_options, stream_reader_options, writer_options
 from reliable_kafka.spark.reader import KafkaReader, schema_ddl
+from reliable_kafka.spark.stream_reader import KafkaStreamReader
 from reliable_kafka.spark.stream_writer import KafkaStreamArrowWriter, stream_writer_options
 from reliable_kafka.spark.writer import KafkaArrowWriter, check_input_schema, prepare_write
 
@@ -30,6 +37,9 @@ class ReliableKafkaDataSource(DataSource):
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return KafkaReader(reader_options(self.options), schema)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return KafkaStreamReader(stream_reader_options(self.options), schema)
 
     def writer(self, schema: StructType, overwrite: bool) -> DataSourceWriter:
         if overwrite:

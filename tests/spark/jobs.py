@@ -5,8 +5,11 @@ Values are unique per row, so the set of values read back says what was lost and
 
 from __future__ import annotations
 
+import uuid
 from collections import defaultdict
 from typing import Any
+
+from confluent_kafka import Producer
 
 from reliable_kafka.ids import message_id_of
 from reliable_kafka.testing import consume_all
@@ -38,3 +41,36 @@ def ids_by_value(messages: list[Any]) -> dict[bytes, set[str | None]]:
     for m in messages:
         out[m.value()].add(message_id_of(m.headers()))
     return out
+
+
+def produce_with_aborted_transactions(
+    bootstrap: str, topic: str, partitions: int, *, tag: str = "", rounds: int = 6
+) -> tuple[list[bytes], list[bytes]]:
+    """Committed and aborted transactions interleaved with plain idempotent writes over `partitions`
+    partitions; returns the (committed, aborted) values, unique per `tag`."""
+    txn = Producer({"bootstrap.servers": bootstrap, "transactional.id": f"rk-test-{uuid.uuid4().hex}"})
+    plain = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
+    txn.init_transactions(30)
+    committed: list[bytes] = []
+    aborted: list[bytes] = []
+    for round_no in range(rounds):
+        txn.begin_transaction()
+        values = [f"{tag}txn{round_no}-{i}".encode() for i in range(200)]
+        for i, value in enumerate(values):
+            txn.produce(topic, value, partition=i % partitions)
+        if round_no % 2:
+            # Flush first: an abort while the records are still unsent can race librdkafka's
+            # partition registration and fail INVALID_TXN_STATE (librdkafka issue 4849). Flushed,
+            # the aborted records are really in the log, which is what the reader must skip.
+            assert txn.flush(30) == 0
+            txn.abort_transaction(30)
+            aborted += values
+        else:
+            txn.commit_transaction(30)
+            committed += values
+        extra = [f"{tag}plain{round_no}-{i}".encode() for i in range(50)]
+        for i, value in enumerate(extra):
+            plain.produce(topic, value, partition=i % partitions)
+        assert plain.flush(30) == 0
+        committed += extra
+    return committed, aborted

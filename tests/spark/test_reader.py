@@ -11,43 +11,14 @@ from confluent_kafka import Producer
 
 from reliable_kafka.spark import FORMAT, read_kafka
 from reliable_kafka.testing.verify import verdict
+from tests.spark.jobs import produce_with_aborted_transactions
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
 
 
-def _produce_with_aborted_transactions(bootstrap: str, topic: str, partitions: int) -> tuple[list[bytes], list[bytes]]:
-    """Committed and aborted transactions interleaved with plain writes; returns (committed, aborted) values."""
-    txn = Producer({"bootstrap.servers": bootstrap, "transactional.id": f"rk-test-{uuid.uuid4().hex}"})
-    plain = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True})
-    txn.init_transactions(30)
-    committed: list[bytes] = []
-    aborted: list[bytes] = []
-    for round_no in range(6):
-        txn.begin_transaction()
-        values = [f"txn{round_no}-{i}".encode() for i in range(200)]
-        for i, value in enumerate(values):
-            txn.produce(topic, value, partition=i % partitions)
-        if round_no % 2:
-            # Flush first: an abort while the records are still unsent can race librdkafka's
-            # partition registration and fail INVALID_TXN_STATE (librdkafka issue 4849). Flushed,
-            # the aborted records are really in the log, which is what the reader must skip.
-            assert txn.flush(30) == 0
-            txn.abort_transaction(30)
-            aborted += values
-        else:
-            txn.commit_transaction(30)
-            committed += values
-        extra = [f"plain{round_no}-{i}".encode() for i in range(50)]
-        for i, value in enumerate(extra):
-            plain.produce(topic, value, partition=i % partitions)
-        assert plain.flush(30) == 0
-        committed += extra
-    return committed, aborted
-
-
 def test_reader_returns_every_committed_row_and_no_aborted_one(spark, kafka, make_topic) -> None:
     topic = make_topic(partitions=2)
-    committed, aborted = _produce_with_aborted_transactions(kafka.bootstrap_servers, topic, 2)
+    committed, aborted = produce_with_aborted_transactions(kafka.bootstrap_servers, topic, 2)
 
     via_function = [r.value for r in read_kafka(spark, kafka.bootstrap_servers, subscribe=topic).df.collect()]
     via_format = [
