@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from reliable_kafka.dedup import ClaimResult, DedupStore, SQLiteDedupStore
+from reliable_kafka.dedup.sqlite import TABLE
 from reliable_kafka.errors import ConfigError, DedupStoreUnavailable
 
 StoreFactory = Callable[..., DedupStore]
@@ -237,7 +238,7 @@ def test_purge_deletes_expired_rows_and_keeps_live_ones(make_store: Callable[...
     store.claim(["live-claim"], lease_s=60)
     time.sleep(PAST_LEASE_S)
     assert store.purge_expired() == 3
-    assert _rows(Path(store.path), "SELECT key FROM rk_dedup") == [("live-claim",)]
+    assert _rows(Path(store.path), f"SELECT key FROM {TABLE}") == [("live-claim",)]
 
 
 def test_expired_rows_are_purged_every_n_confirmed_keys(make_store: Callable[..., SQLiteDedupStore]) -> None:
@@ -249,7 +250,7 @@ def test_expired_rows_are_purged_every_n_confirmed_keys(make_store: Callable[...
     second = [f"b{i}" for i in range(6)]
     store.claim(second)
     store.confirm(second)  # 12 confirmed keys >= 10: the expired first six go
-    assert sorted(key for (key,) in _rows(Path(store.path), "SELECT key FROM rk_dedup")) == second
+    assert sorted(key for (key,) in _rows(Path(store.path), f"SELECT key FROM {TABLE}")) == second
 
 
 def _claim_worker(path: str, keys: list[str], start: Any, results: Any) -> None:
