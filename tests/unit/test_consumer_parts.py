@@ -133,7 +133,8 @@ def test_a_partition_taken_over_records_nothing_commits_nothing_and_waits_for_it
 def test_a_handler_whose_inbox_is_fenced_is_neither_retried_nor_dead_lettered(
     store: SQLiteDedupStore, tmp_path: Path,
 ) -> None:
-    p = parts(dedup=DedupPolicy(store), retry=RetryPolicy(attempts=5, initial_backoff_s=30, max_backoff_s=30, jitter=False))
+    retry = RetryPolicy(attempts=5, initial_backoff_s=30, max_backoff_s=30, jitter=False)
+    p = parts(dedup=DedupPolicy(store), retry=retry)
     with store.inbox() as tx:
         tx.conn.execute("CREATE TABLE fx (offset INTEGER)")
     new = SQLiteDedupStore(tmp_path / "dedup.db")
