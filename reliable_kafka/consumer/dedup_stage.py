@@ -177,7 +177,8 @@ class DedupStage:
     def _check(self, works: list[Work], keys: list[str | None]) -> Claimed | None:
         store = self._fence_store
         assert store is not None  # choose_mode() fences only with one
-        partitions: Partitions = {(w.msg.topic(), w.msg.partition()) for w in works}  # type: ignore[misc]
+        msgs = [w.msg for w in works]
+        partitions: Partitions = set(zip(map(Message.topic, msgs), map(Message.partition, msgs), strict=True))  # type: ignore[arg-type]
         try:
             for tp in partitions - self.shut - self._leases.keys():
                 # First batch of a partition since it was assigned: the newest holder wins, so from
@@ -268,21 +269,28 @@ class DedupStage:
         return pending
 
     def _record(self, pending: list[Work]) -> list[Work]:
-        """One transaction: check each partition's lease, record its keys as done; what may be committed."""
+        """One transaction: check each partition's lease, record its keys as done; what may be committed.
+
+        Every pending record's partition has a lease here: records run only after _check() took it, and
+        forget() / lose() drop a partition's pending records with its lease.
+        """
         store = self._fence_store
         assert store is not None
-        by_lease: dict[PartitionLease, list[str]] = defaultdict(list)
-        for w in pending:
-            lease = self._leases.get((w.msg.topic(), w.msg.partition()))  # type: ignore[arg-type]
-            if lease is not None and w.key is not None:
-                by_lease[lease].append(w.key)
+        by_lease: dict[PartitionLease, list[str]]
+        if len(self._leases) == 1:  # the usual case: the lot in one step, no per-record lookup
+            by_lease = {next(iter(self._leases.values())): [w.key for w in pending]}  # type: ignore[misc]
+        else:
+            by_tp: dict[tuple[str, int], list[str]] = defaultdict(list)
+            for w in pending:
+                by_tp[(w.msg.topic(), w.msg.partition())].append(w.key)  # type: ignore[index,arg-type]
+            by_lease = {self._leases[tp]: keys for tp, keys in by_tp.items()}
         lost = store.record_done(by_lease)
         self._back()
-        if lost:
-            self.lose(lost)
-        # Only what was recorded under a live lease: a partition forgotten meanwhile has no lease left.
-        live = {(lease.topic, lease.partition) for lease in by_lease if lease not in lost}
-        return [w for w in pending if (w.msg.topic(), w.msg.partition()) in live]
+        if not lost:
+            return pending
+        self.lose(lost)
+        gone = {(lease.topic, lease.partition) for lease in lost}
+        return [w for w in pending if (w.msg.topic(), w.msg.partition()) not in gone]
 
     def release(self, works: list[Work]) -> None:
         """Free the claims of records that did not finish, so their redelivery runs without waiting."""
