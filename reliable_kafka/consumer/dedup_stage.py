@@ -112,7 +112,9 @@ class DedupStage:
         self._fence_store = policy.store if policy.fence and isinstance(policy.store, FencedDedupStore) else None
         self.fenced = False  # this run fences by partition (choose_mode)
         self._leases: dict[tuple[str, int], PartitionLease] = {}  # partitions whose lease we took
-        self.shut: Partitions = set()  # partitions another consumer took over, until assigned again
+        # Partitions not ours until assigned again (taken over, revoked or lost): their records neither run
+        # nor reach _record(), whose leases they no longer have.
+        self.shut: Partitions = set()
         self.on_fenced: Callable[[Partitions], None] = lambda partitions: None
         if policy.fail_open:
             log.warning("dedup_fail_open=True: while the dedup store is down, duplicates are processed again")
@@ -230,6 +232,8 @@ class DedupStage:
 
     def forget(self, partitions: Partitions) -> None:
         """Revoked or lost partitions: their leases go (a revoke recorded their keys first)."""
+        if self.fenced:
+            self.shut |= partitions
         gone = [self._leases.pop(tp) for tp in partitions if tp in self._leases]
         if gone and self._fence_store is not None:
             self._fence_store.drop(gone)
@@ -239,6 +243,10 @@ class DedupStage:
 
     def confirm_later(self, works: list[Work]) -> None:
         """Handled records with a claimed key: confirmed by the next confirmed() (any thread)."""
+        if self.shut and self.fenced:
+            # Handled before their partition was taken over (earlier in the same batch): not ours to record.
+            shut = self.shut
+            works = [w for w in works if (w.msg.topic(), w.msg.partition()) not in shut]
         with self._lock:
             self._to_confirm.extend(works)
 
@@ -271,26 +279,31 @@ class DedupStage:
     def _record(self, pending: list[Work]) -> list[Work]:
         """One transaction: check each partition's lease, record its keys as done; what may be committed.
 
-        Every pending record's partition has a lease here: records run only after _check() took it, and
-        forget() / lose() drop a partition's pending records with its lease.
+        A pending record's partition has a lease: records run only after _check() took it, forget() /
+        lose() drop a partition's pending records with its lease, and confirm_later() keeps out those of
+        a partition shut meanwhile. Should one come without a lease all the same, it is neither recorded
+        nor committed (its partition is not ours).
         """
         store = self._fence_store
         assert store is not None
         by_lease: dict[PartitionLease, list[str]]
-        if len(self._leases) == 1:  # the usual case: the lot in one step, no per-record lookup
+        unleased = False
+        if len(self._leases) == 1:  # one partition held: the lot in one step, no per-record lookup
             by_lease = {next(iter(self._leases.values())): [w.key for w in pending]}  # type: ignore[misc]
         else:
             by_tp: dict[tuple[str, int], list[str]] = defaultdict(list)
             for w in pending:
                 by_tp[(w.msg.topic(), w.msg.partition())].append(w.key)  # type: ignore[index,arg-type]
-            by_lease = {self._leases[tp]: keys for tp, keys in by_tp.items()}
+            by_lease = {self._leases[tp]: keys for tp, keys in by_tp.items() if tp in self._leases}
+            unleased = len(by_lease) < len(by_tp)
         lost = store.record_done(by_lease)
         self._back()
-        if not lost:
+        if not lost and not unleased:
             return pending
-        self.lose(lost)
-        gone = {(lease.topic, lease.partition) for lease in lost}
-        return [w for w in pending if (w.msg.topic(), w.msg.partition()) not in gone]
+        if lost:
+            self.lose(lost)
+        live = {(lease.topic, lease.partition) for lease in by_lease if lease not in lost}
+        return [w for w in pending if (w.msg.topic(), w.msg.partition()) in live]
 
     def release(self, works: list[Work]) -> None:
         """Free the claims of records that did not finish, so their redelivery runs without waiting."""

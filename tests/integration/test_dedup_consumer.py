@@ -379,12 +379,34 @@ def test_killed_producer_and_consumer_apply_each_original_message_exactly_once(
     assert control_double > 0, "the unguarded control applied nothing twice: the faults did not bite"
 
 
+def _stop_outside_a_transaction(pid: int, db: Path) -> None:
+    """SIGSTOP `pid` at a moment it holds no write transaction on `db`. Stopped inside one, it would keep
+    SQLite's write lock and every other writer of the file would wait for it (a new owner could not even
+    take its lease): a different case from the one tested. Bounded: 200 tries, each a few milliseconds."""
+    for _ in range(200):
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 2
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, f"process {pid} did not stop"
+            time.sleep(0.001)
+        try:
+            with closing(sqlite3.connect(db, timeout=0)) as probe:
+                probe.execute("BEGIN IMMEDIATE")
+                probe.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:  # locked: stopped inside a transaction; let it finish, try again
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.002)
+    raise AssertionError(f"process {pid} was inside a transaction on {db} at each of 200 tries")
+
+
 def _zombie(kafka: LocalKafkaCluster, topic: str, payloads: set[str], store: str, workdir: Path,
             member_logs: MemberLogs) -> tuple[Counter[str], str]:
-    """One owner of the topic's only partition is SIGSTOPped once it has handled 300 records it has not
-    committed; a second member joins, gets the partition when the first one's session (6 s) expires and
-    processes it; once it has handled 200, the first is resumed (SIGCONT) with the rest of its batch. Both
-    are stopped (SIGTERM) once every payload was applied. Returns the effects and the old owner's log."""
+    """One owner of the topic's only partition is SIGSTOPped (between two store transactions) once it has
+    handled 300 records it has not committed; a second member joins, gets the partition when the first
+    one's session (6 s) expires and processes it; once it has handled 200, the first is resumed (SIGCONT)
+    with the rest of its batch. Both are stopped (SIGTERM) once every payload was applied. Returns the
+    effects and the old owner's log."""
     group = f"zombie-{store}-{uuid.uuid4().hex[:6]}"
     db = workdir / f"zombie-{store}.db"
     applied = _sqlite_effects(db)
@@ -411,7 +433,7 @@ def _zombie(kafka: LocalKafkaCluster, topic: str, payloads: set[str], store: str
                 st = MemberStatus.read(old_status)
                 return st is not None and st.handled >= 300 and st.uncommitted(offsets.get()) > 0
 
-            fire_when(old_mid_stream, lambda: os.kill(old.pid, signal.SIGSTOP),
+            fire_when(old_mid_stream, lambda: _stop_outside_a_transaction(old.pid, db),
                       what=f"{store}: pause the owner mid-stream", timeout_s=60)
         new_status = spawn("new")
         fire_when(lambda: handled(new_status) >= 200, lambda: os.kill(old.pid, signal.SIGCONT),
