@@ -34,6 +34,7 @@ errors by what the caller does next, so one `except` clause can handle a whole b
     │   ├── OutboxLocked
     │   └── OutboxFull
     ├── DeadLetterFailed               a poison record could not reach its dead-letter topic
+    ├── PartitionFenced                another consumer took the partition's dedup lease over (zombie)
     ├── PartitionWriteFailed           a Spark write task failed; Spark retries it
     ├── RetriesExhausted               a handler failed on its last attempt (poison)
     ├── RetryInterrupted               a stop came while waiting to retry (unfinished, not poison)
@@ -279,6 +280,17 @@ class DeadLetterFailed(ReliableKafkaError):
 
 class DedupStoreUnavailable(Unavailable):
     """The dedup store cannot be reached; the consumer holds progress (fail-closed) until it is back."""
+
+
+class PartitionFenced(ReliableKafkaError):
+    """Another consumer took over a partition's dedup lease: this one lost the partition (it was paused past
+    its session, say) and must not record its keys or commit its offsets. The consumer stops processing the
+    partition until the group assigns it again; the new owner processes its records."""
+
+    def __init__(self, message: str, *, partitions: list[tuple[str, int]] | None = None) -> None:
+        super().__init__(message)
+        self.partitions = list(partitions or [])
+        """The (topic, partition) pairs whose lease is no longer this consumer's."""
 
 
 class TransactionFenced(RefusedByKafka):

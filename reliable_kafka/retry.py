@@ -29,7 +29,7 @@ from tenacity import (
 )
 
 from reliable_kafka import kafka_errors
-from reliable_kafka.errors import ConfigError, RetriesExhausted, RetryInterrupted
+from reliable_kafka.errors import ConfigError, PartitionFenced, RetriesExhausted, RetryInterrupted
 from reliable_kafka.kafka_errors import Disposition
 
 logger = logging.getLogger(__name__)
@@ -79,11 +79,12 @@ class RetryPolicy:
                     raise ConfigError(key, f"must be a tuple of exception classes, got {kind!r}")
 
     def _worth_retrying(self, error: BaseException) -> bool:
-        # RetryInterrupted from inside fn is a stop request travelling outwards: never retry it.
+        # RetryInterrupted from inside fn is a stop request travelling outwards: never retry it. Nor
+        # PartitionFenced: another consumer owns the partition now, no retry of this one can succeed.
         return (
             isinstance(error, self.retry_on)
             and not isinstance(error, self.give_up_on)
-            and not isinstance(error, RetryInterrupted)
+            and not isinstance(error, (RetryInterrupted, PartitionFenced))
         )
 
     def run(

@@ -168,6 +168,9 @@ class AsyncReliableConsumer:
                              stop_consumer=self.stop)
         strategy: LoopStrategy | ClaimedStrategy = lanes
         if sync._dedup is not None:
+            # Lanes run on the loop while the next batch is checked: a key's copy there could run beside
+            # the earlier one, which only a per-key claim stops.
+            sync._dedup.choose_mode(exclusive=False)
             strategy = ClaimedStrategy(lanes, sync._dedup, bare=False, fetcher=sync._fetcher,
                                        failures=sync._failures, commits=sync._commits, counters=sync._counters)
         if self._running:

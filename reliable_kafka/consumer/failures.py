@@ -22,6 +22,7 @@ from reliable_kafka.dlq import DeadLetterPolicy, dead_letter_headers, dlq_topic_
 from reliable_kafka.errors import (
     DeadLetterFailed,
     DedupStoreUnavailable,
+    PartitionFenced,
     ReliableKafkaError,
     RetriesExhausted,
     RetryInterrupted,
@@ -182,6 +183,10 @@ class FailureStages:
         if isinstance(failure, RetryInterrupted):
             self._release([w])  # unfinished, not poison: it is delivered again after the restart
             return False
+        if isinstance(failure.last_error, PartitionFenced) and self._dedup is not None:
+            # Not poison either: the partition is someone else's now (left in flight, it goes with it),
+            # or, if the refusal named only other partitions, the record runs again.
+            return self._dedup.fenced_out(w, failure.last_error)
         if self._store_was_down(failure, label):
             return True
         self._dead_letter_or_hold(w, failure.last_error or failure, failure.attempts)

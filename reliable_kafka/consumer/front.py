@@ -100,7 +100,7 @@ class ReliableConsumer:
         self._single_topic = self.topics[0] if len(self.topics) == 1 and not self.topics[0].startswith("^") else None
         self._stop = threading.Event()
         self._counters = Counters(STATS)
-        self._dedup = DedupStage(dedup, self._counters) if dedup is not None else None
+        self._dedup = DedupStage(dedup, self._counters, group) if dedup is not None else None
         self._key_of = self._dedup.key_of if self._dedup is not None else key_of
         # None without deserializers: then nothing is decoded and no record pays for the check.
         decode_key, decode_value = decoder(key_deserializer, "key"), decoder(value_deserializer, "value")
@@ -120,13 +120,18 @@ class ReliableConsumer:
             self._client, commit, self._counters, group=group, user_on_commit=user_on_commit,
             confirm=self._dedup.confirmed if self._dedup is not None else None,
         )
-        self._rebalance = RebalanceHandler(self._client, self._commits, revoke_timeout_s=revoke_timeout_s)
+        self._rebalance = RebalanceHandler(
+            self._client, self._commits, revoke_timeout_s=revoke_timeout_s,
+            on_assigned=self._dedup.assigned if self._dedup is not None else lambda partitions: None)
         self._fetcher = Fetcher(self._client, self._commits.tracker, self._rebalance, self._dedup,
                                 max_batch=max_batch, max_in_flight=max_in_flight, group=group)
         self._dead_letters = DeadLetters(dead_letter, self._config)
         self._failures = FailureStages(retry or RetryPolicy(), self._dead_letters, self._commits, self._dedup,
                                        self._counters, self._stop, tracing=self._tracing, group=group)
         self._rebalance.also_forget(self._fetcher, self._dead_letters)
+        if self._dedup is not None:
+            self._rebalance.also_forget(self._dedup)
+            self._dedup.on_fenced = self._rebalance.fenced
         self._started = False
         self._closed = False
 

@@ -1,7 +1,7 @@
 """Rebalance handler: what the consumer does when partitions are assigned, revoked or lost; owns our pauses.
 
-Guarantee: a revoked partition's processed offsets are committed before it is released, a lost one's staged
-offsets are dropped (redelivered, never skipped), and no partition stays paused across a rebalance.
+Guarantee: a revoked partition's processed offsets are committed before it is released, a lost or fenced one's
+staged offsets are dropped (redelivered, never skipped), and no partition stays paused across a rebalance.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class RebalanceHandler:
     records go with a released partition, besides the commit coordinator's staged offsets.
     """
 
-    def __init__(self, client: Consumer, commits: CommitCoordinator, *, revoke_timeout_s: float) -> None:
+    def __init__(self, client: Consumer, commits: CommitCoordinator, *, revoke_timeout_s: float,
+                 on_assigned: Callable[[Partitions], None] = lambda partitions: None) -> None:
         self.client = client
         self._commits = commits
         self._revoke_timeout_s = revoke_timeout_s
@@ -44,6 +45,8 @@ class RebalanceHandler:
         self._held: Partitions = set()  # as the callbacks said: read without asking librdkafka (see `held`)
         self._states: list[PartitionState] = []
         self.wait_idle: Callable[[float, Partitions | None], bool] = _idle
+        self._on_assigned = on_assigned  # the dedup stage: a fenced partition assigned again is open again
+        self._fenced: Partitions = set()  # paused because another consumer holds their dedup lease
 
     def also_forget(self, *states: PartitionState) -> None:
         self._states.extend(states)
@@ -55,7 +58,10 @@ class RebalanceHandler:
         return sorted(self._held)
 
     def on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._held |= {(tp.topic, tp.partition) for tp in partitions}
+        assigned = {(tp.topic, tp.partition) for tp in partitions}
+        self._held |= assigned
+        self._fenced -= assigned  # resumed below with the rest
+        self._on_assigned(assigned)
         for tp in partitions:
             self._commits.reset(tp.topic, tp.partition)
             self._paused_by_us.discard((tp.topic, tp.partition))
@@ -82,6 +88,19 @@ class RebalanceHandler:
         lost = {(tp.topic, tp.partition) for tp in partitions}
         log.warning("partitions lost %s: staged offsets dropped, records will be redelivered", sorted(lost))
         self._forget(lost)
+
+    def fenced(self, partitions: Partitions) -> None:
+        """Another consumer holds these partitions' dedup lease (we are a zombie for them): drop their
+        staged offsets and held records as for a lost partition, and keep them paused until the group
+        assigns them again (on_assign resumes them)."""
+        fresh = partitions - self._fenced
+        self._forget(partitions)
+        self._fenced |= partitions
+        if fresh:
+            try:
+                self.client.pause([TopicPartition(t, p) for t, p in sorted(fresh)])
+            except KafkaException as exc:  # not assigned any more: nothing to fetch from it anyway
+                log.debug("pause of fenced %s: %s", sorted(fresh), exc)
 
     def _forget(self, partitions: Partitions) -> None:
         # Resumed before they go (see on_assign): paused, they would stay paused if they came back.

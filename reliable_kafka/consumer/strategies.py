@@ -353,8 +353,11 @@ class ClaimedStrategy:
     def _run_claimed(self, works: list[Work]) -> None:
         handler = self._inner.handler
         handled: list[Work] = []
+        shut = self._dedup.shut  # partitions fenced off meanwhile (a handler's inbox found out): skip the rest
         try:
             for w in works:
+                if shut and (w.msg.topic(), w.msg.partition()) in shut:
+                    continue
                 try:
                     handler(w.msg)
                 except BaseException as exc:
@@ -413,5 +416,8 @@ def choose(handler: Handler | BatchHandler, *, batch: bool, concurrency: int, tr
         inner = RecordStrategy(record_handler, **parts)
     if dedup is None:
         return inner
+    # One thread runs the records in order: a key's copy in a later batch is checked only after the
+    # earlier one was recorded, so the partition fence can replace per-key claims.
+    dedup.choose_mode(exclusive=concurrency == 1)
     bare = not batch and concurrency == 1 and not tracing
     return ClaimedStrategy(inner, dedup, bare=bare, counters=counters, **parts)

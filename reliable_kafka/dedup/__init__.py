@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from reliable_kafka.dedup.base import ClaimResult, DedupStore
+from reliable_kafka.dedup.base import ClaimResult, DedupStore, FencedDedupStore, PartitionLease
 from reliable_kafka.dedup.sqlite import SQLiteDedupStore, SQLiteInbox
 
 if TYPE_CHECKING:
     from reliable_kafka.dedup.redis import RedisDedupStore, RedisInbox
 
-__all__ = ["ClaimResult", "DedupStore", "RedisDedupStore", "RedisInbox", "SQLiteDedupStore", "SQLiteInbox"]
+__all__ = ["ClaimResult", "DedupStore", "FencedDedupStore", "PartitionLease", "RedisDedupStore", "RedisInbox",
+           "SQLiteDedupStore", "SQLiteInbox"]
 
 
 def __getattr__(name: str) -> Any:

@@ -6,7 +6,7 @@ into a "duplicate" (the message would be lost); a store that cannot answer raise
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, TypeVar, runtime_checkable
@@ -78,6 +78,70 @@ class DedupStore(Protocol):
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+@dataclass(frozen=True)
+class PartitionLease:
+    """A consumer's hold on one partition of its group in a fenced store; a later `acquire` raises `epoch`."""
+
+    group: str
+    topic: str
+    partition: int
+    epoch: int
+
+    @property
+    def where(self) -> tuple[str, str, int]:
+        return (self.group, self.topic, self.partition)
+
+
+@runtime_checkable
+class FencedDedupStore(DedupStore, Protocol):
+    """A store that can also fence by partition: one write per record instead of a claim and a confirm.
+
+    A consumer group gives each partition to one member at a time, so a per-key claim only guards
+    against a member that lost its partitions without knowing it (a zombie: paused past its session).
+    The fence guards against that once per partition instead:
+
+    1. ``lease = store.acquire(group, topic, partition)`` when the partition is assigned (the newest
+       acquirer wins: every acquire raises the epoch, so the previous holder's lease is lost);
+    2. per batch, ``done, lost = store.seen(keys, leases)``: skip ``done``; a lost lease means the
+       partition belongs to someone else: stop processing it;
+    3. run the handler, then ``lost = store.record_done({lease: keys})``: ONE transaction checks that
+       each lease is still this store's and records its keys as done; keys of a lost lease are not
+       recorded (and their offsets must not be committed).
+
+    The inbox of such a store refuses to commit (``PartitionFenced``) once a lease it holds was lost, so
+    an effect written through it is applied by the partition's current owner only.
+    """
+
+    def acquire(self, group: str, topic: str, partition: int) -> PartitionLease:
+        """Take the partition's lease for this store (one write); the previous holder's is lost."""
+        ...
+
+    def drop(self, leases: Iterable[PartitionLease]) -> None:
+        """Forget leases locally (partition revoked, lost or fenced); writes nothing."""
+        ...
+
+    def seen(
+        self, keys: Sequence[str], leases: Iterable[PartitionLease]
+    ) -> tuple[frozenset[str], list[PartitionLease]]:
+        """Which keys are done, and which of the leases are lost; reads only."""
+        ...
+
+    def record_done(self, keys: Mapping[PartitionLease, Sequence[str]]) -> list[PartitionLease]:
+        """Record each live lease's keys as done in one transaction; returns the lost leases (not recorded)."""
+        ...
+
+
+def lost_leases(
+    leases: Iterable[PartitionLease], holders: Mapping[tuple[str, str, int], tuple[str, int]], owner: str
+) -> list[PartitionLease]:
+    """The leases that are no longer `owner`'s, given each partition's current (holder, epoch).
+
+    A lease is kept only while its partition's row names this owner at this very epoch: a later acquire
+    (by anyone, this store included) has raised the epoch, and a missing row means it was never taken.
+    """
+    return [lease for lease in leases if holders.get(lease.where) != (owner, lease.epoch)]
 
 
 def distinct_keys(keys: Sequence[str]) -> list[str]:

@@ -2,13 +2,17 @@
 
 A re-sending producer and a consumer both SIGKILLed mid-stream apply each original message exactly once
 when the effect and the confirmation share one inbox transaction (SQLite or Redis), while an unguarded
-control beside them applies some twice; a killed Redis holds progress and forgets what it knew.
+control beside them applies some twice; so does a zombie (paused past its session while a new owner
+takes its partition over) against the SQLite partition fence; a killed Redis holds progress and forgets
+what it knew.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -27,13 +31,13 @@ import redis
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
 from reliable_kafka.backpressure import produce_when_room
-from reliable_kafka.consumer import ReliableConsumer
+from reliable_kafka.consumer import DedupPolicy, ReliableConsumer
 from reliable_kafka.dedup import RedisDedupStore, SQLiteDedupStore
 from reliable_kafka.errors import DedupStoreUnavailable
 from reliable_kafka.ids import ID_HEADER, message_id_of, new_ids
 from reliable_kafka.lab.consumer_crash import BITES, kill_loop
 from reliable_kafka.lab.programs.dedup_consumer_proc import EFFECTS_HASH, EFFECTS_TABLE
-from reliable_kafka.lab.programs.status import GroupOffsets
+from reliable_kafka.lab.programs.status import GroupOffsets, MemberStatus
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.testing import LocalKafkaCluster, consume_all
 from reliable_kafka.testing.faults import sigkill_producer_mid_stream
@@ -375,6 +379,109 @@ def test_killed_producer_and_consumer_apply_each_original_message_exactly_once(
     assert control_double > 0, "the unguarded control applied nothing twice: the faults did not bite"
 
 
+def _stop_outside_a_transaction(pid: int, db: Path) -> None:
+    """SIGSTOP `pid` at a moment it holds no write transaction on `db`. Stopped inside one, it would keep
+    SQLite's write lock and every other writer of the file would wait for it (a new owner could not even
+    take its lease): a different case from the one tested. Bounded: 200 tries, each a few milliseconds."""
+    for _ in range(200):
+        os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 2
+        while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, f"process {pid} did not stop"
+            time.sleep(0.001)
+        try:
+            with closing(sqlite3.connect(db, timeout=0)) as probe:
+                probe.execute("BEGIN IMMEDIATE")
+                probe.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:  # locked: stopped inside a transaction; let it finish, try again
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.002)
+    raise AssertionError(f"process {pid} was inside a transaction on {db} at each of 200 tries")
+
+
+def _zombie(kafka: LocalKafkaCluster, topic: str, payloads: set[str], store: str, workdir: Path,
+            member_logs: MemberLogs) -> tuple[Counter[str], str]:
+    """One owner of the topic's only partition is SIGSTOPped (between two store transactions) once it has
+    handled 300 records it has not committed; a second member joins, gets the partition when the first
+    one's session (6 s) expires and processes it; once it has handled 200, the first is resumed (SIGCONT)
+    with the rest of its batch. Both are stopped (SIGTERM) once every payload was applied. Returns the
+    effects and the old owner's log."""
+    group = f"zombie-{store}-{uuid.uuid4().hex[:6]}"
+    db = workdir / f"zombie-{store}.db"
+    applied = _sqlite_effects(db)
+    base = CONSUMER + ["--bootstrap", kafka.bootstrap_servers, "--topic", topic, "--group", group, "--store",
+                       store, "--db", str(db), "--idle", "120"]
+    children: list[subprocess.Popen[bytes]] = []
+
+    def spawn(name: str, *extra: str) -> Path:
+        status = workdir / f"zombie-{store}-{name}.status.json"
+        with member_logs.path(f"{store}-{name}").open("ab") as out:
+            children.append(subprocess.Popen(base + ["--status-file", str(status), *extra], cwd=ROOT, stdout=out,
+                                             stderr=subprocess.STDOUT))
+        return status
+
+    def handled(status: Path) -> int:
+        st = MemberStatus.read(status)
+        return 0 if st is None else st.handled
+
+    old_status = spawn("old", "--handle-delay-s", "0.003")  # slow: always in the middle of a batch
+    old = children[0]
+    try:
+        with GroupOffsets(kafka.bootstrap_servers, group, topic, 1) as offsets:
+            def old_mid_stream() -> bool:
+                st = MemberStatus.read(old_status)
+                return st is not None and st.handled >= 300 and st.uncommitted(offsets.get()) > 0
+
+            fire_when(old_mid_stream, lambda: _stop_outside_a_transaction(old.pid, db),
+                      what=f"{store}: pause the owner mid-stream", timeout_s=60)
+        new_status = spawn("new")
+        fire_when(lambda: handled(new_status) >= 200, lambda: os.kill(old.pid, signal.SIGCONT),
+                  what=f"{store}: resume the old owner once the new one processes", timeout_s=60)
+        wait_for(lambda: applied().keys() >= payloads, 90, f"{store}: every payload applied")
+    finally:
+        for child in children:
+            if child.poll() is None:
+                os.kill(child.pid, signal.SIGCONT)  # a stopped process cannot act on SIGTERM
+                child.terminate()
+        for child in children:
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(10)
+    return applied(), member_logs.path(f"{store}-old").read_text()
+
+
+@pytest.mark.cluster
+def test_a_zombie_owner_resumed_after_a_takeover_applies_nothing_twice_behind_the_partition_fence(
+    kafka: LocalKafkaCluster, make_topic: Callable[..., str], tmp_path: Path, member_logs: MemberLogs,
+) -> None:
+    topic = make_topic(partitions=1)
+    records = fresh("z", 1500)
+    produce(kafka.bootstrap_servers, topic, records)
+    payloads = {value for value, _ in records}
+    runs: dict[str, tuple[Counter[str], str]] = {}
+    # The control (no dedup: the same effects, committed alone) runs beside ours on the same topic.
+    control = threading.Thread(target=lambda: runs.__setitem__(
+        "none", _zombie(kafka, topic, payloads, "none", tmp_path, member_logs)), daemon=True)
+    control.start()
+    runs["sqlite"] = _zombie(kafka, topic, payloads, "sqlite", tmp_path, member_logs)
+    control.join(150)
+    assert "none" in runs, "the control run failed"
+
+    def counts(applied: Counter[str]) -> tuple[int, int]:
+        return len(payloads - applied.keys()), sum(n - 1 for n in applied.values() if n > 1)
+
+    (lost, double), old_log = counts(runs["sqlite"][0]), runs["sqlite"][1]
+    control_lost, control_double = counts(runs["none"][0])
+    print(f"zombie: ours lost={lost} double={double}; control lost={control_lost} double={control_double}")
+    assert (lost, double) == (0, 0), f"lost={lost} double-applied={double}"
+    assert "taken over by another consumer" in old_log, "the resumed owner was never fenced"
+    assert control_lost == 0
+    assert control_double > 0, "the unguarded zombie applied nothing twice: the pause did not bite"
+
+
 # ---- store outages -----------------------------------------------------------------------
 
 
@@ -554,10 +661,12 @@ def test_a_key_busy_under_another_consumers_claim_holds_its_partition_in_order(
     produce(kafka.bootstrap_servers, topic, records)
     db = tmp_path / "dedup.db"
     with SQLiteDedupStore(db) as other:
-        other.claim([records[4][1]], lease_s=3.0)  # another consumer is on b-4 (and dies)
+        other.claim([records[4][1]], lease_s=3.0)  # a program outside the group is on b-4 (and dies)
     claimed_at = time.monotonic()
     store = SQLiteDedupStore(db)
-    consumer = ReliableConsumer(conf(kafka, f"busy-{uuid.uuid4().hex[:6]}"), [topic], dedup=store)
+    # fence=False: keys shared with programs outside the group need per-key claims (the fence is per group).
+    consumer = ReliableConsumer(conf(kafka, f"busy-{uuid.uuid4().hex[:6]}"), [topic],
+                                dedup=DedupPolicy(store, fence=False))
     handled: list[tuple[str, float]] = []
 
     def handler(msg: Message) -> None:

@@ -1,18 +1,19 @@
-"""The consumer's parts through their own seams: the dedup-claimed strategy, the worker strategy's counts,
-and the rebalance handler forgetting what each part keeps for a released partition. No broker.
+"""The consumer's parts through their own seams: the dedup-claimed strategy and its partition fence, the worker
+strategy's counts, and the rebalance handler forgetting what each part keeps for a released partition. No broker.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from confluent_kafka import Message, TopicPartition
 
-from reliable_kafka import DedupPolicy, SQLiteDedupStore
+from reliable_kafka import DedupPolicy, RetryPolicy, SQLiteDedupStore
 from reliable_kafka.consumer.strategies import choose
 from tests.fixtures.consumer_parts import Parts, T, batch, parts
 
@@ -105,3 +106,54 @@ def test_a_missing_subscribed_topic_is_said_once_with_the_fix_however_often_libr
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "'nope' does not exist" in warnings[0] and "ensure_topic" in warnings[0]
     assert sum("still does not exist" in r.getMessage() for r in caplog.records) == 4
+
+
+def test_a_partition_taken_over_records_nothing_commits_nothing_and_waits_for_its_next_assignment(
+    store: SQLiteDedupStore, tmp_path: Path,
+) -> None:
+    p = parts(dedup=DedupPolicy(store))
+    handled: list[int] = []
+    s = strategy(p, lambda m: handled.append(m.offset()))
+    assert p.dedup is not None and p.dedup.fenced, "one thread and a SQLite store: the fence"
+    s.handle_fetched(batch((0, 10), (0, 11), ids=True))
+    assert p.commits.commit() == {(T, 0): 12}
+    s.handle_fetched(batch((0, 12), (1, 5), ids=True))
+    with SQLiteDedupStore(tmp_path / "dedup.db") as new:
+        new.acquire("unit", T, 0)  # this consumer was paused past its session: a new owner took partition 0
+        assert p.commits.commit() == {(T, 1): 6}, "partition 0's batch must be neither recorded nor committed"
+        assert new.seen(["id-0-12", "id-1-5"], []) == (frozenset({"id-1-5"}), [])
+    assert (T, 0) in p.client.paused
+    s.handle_fetched(batch((0, 13), ids=True))  # prefetched before the pause: dropped with its partition
+    assert handled == [10, 11, 12, 5]
+    p.rebalance.on_assign(None, [TopicPartition(T, 0)])  # type: ignore[arg-type]  # the group gives it back
+    s.handle_fetched(batch((0, 13), ids=True))
+    assert handled[-1] == 13 and p.commits.commit() == {(T, 0): 14}
+
+
+def test_a_handler_whose_inbox_is_fenced_is_neither_retried_nor_dead_lettered(
+    store: SQLiteDedupStore, tmp_path: Path,
+) -> None:
+    retry = RetryPolicy(attempts=5, initial_backoff_s=30, max_backoff_s=30, jitter=False)
+    p = parts(dedup=DedupPolicy(store), retry=retry)
+    with store.inbox() as tx:
+        tx.conn.execute("CREATE TABLE fx (offset INTEGER)")
+    new = SQLiteDedupStore(tmp_path / "dedup.db")
+
+    def handler(m: Message) -> None:
+        if m.offset() == 3:
+            new.acquire("unit", T, 0)  # the owner stalls here; meanwhile a new one takes partition 0 over
+        with store.inbox([f"id-0-{m.offset()}"]) as tx:
+            tx.conn.execute("INSERT INTO fx VALUES (?)", (m.offset(),))
+
+    s = strategy(p, handler)
+    s.handle_fetched(batch((0, 1), ids=True))
+    assert p.commits.commit() == {(T, 0): 2}
+    started = time.monotonic()
+    s.handle_fetched(batch((0, 2), (0, 3), (0, 4), ids=True))  # 2 is applied before the takeover
+    assert time.monotonic() - started < 5, "a fenced record must not wait for retries"
+    new.close()
+    with store.inbox() as tx:
+        assert tx.conn.execute("SELECT offset FROM fx").fetchall() == [(1,), (2,)]
+    assert p.dead_letters.stuck_count() == 0 and p.counters.get("dead_lettered") == 0
+    assert p.commits.commit() == {}, "2 is the new owner's to skip (done), 3 and 4 its to run"
+    assert (T, 0) in p.client.paused

@@ -1,4 +1,5 @@
-"""SQLite dedup store: claim/confirm/release semantics, leases, retention, several processes, inbox atomicity.
+"""SQLite dedup store: claim/confirm/release semantics, leases, retention, several processes, inbox atomicity,
+and the partition fence (a later acquire shuts the earlier holder out of recording and of its inbox).
 
 DedupStoreContract is the behaviour every DedupStore must show; the Redis tests run it on a real server.
 """
@@ -22,8 +23,10 @@ from typing import Any
 
 import pytest
 
-from reliable_kafka.dedup import ClaimResult, DedupStore, SQLiteDedupStore
-from reliable_kafka.errors import ConfigError, DedupStoreUnavailable
+from reliable_kafka.dedup import ClaimResult, DedupStore, PartitionLease, SQLiteDedupStore
+from reliable_kafka.dedup.base import lost_leases
+from reliable_kafka.dedup.sqlite import LEGACY_TABLE, TABLE
+from reliable_kafka.errors import ConfigError, DedupStoreUnavailable, PartitionFenced
 
 StoreFactory = Callable[..., DedupStore]
 
@@ -237,7 +240,7 @@ def test_purge_deletes_expired_rows_and_keeps_live_ones(make_store: Callable[...
     store.claim(["live-claim"], lease_s=60)
     time.sleep(PAST_LEASE_S)
     assert store.purge_expired() == 3
-    assert _rows(Path(store.path), "SELECT key FROM rk_dedup") == [("live-claim",)]
+    assert _rows(Path(store.path), f"SELECT key FROM {TABLE}") == [("live-claim",)]
 
 
 def test_expired_rows_are_purged_every_n_confirmed_keys(make_store: Callable[..., SQLiteDedupStore]) -> None:
@@ -249,7 +252,7 @@ def test_expired_rows_are_purged_every_n_confirmed_keys(make_store: Callable[...
     second = [f"b{i}" for i in range(6)]
     store.claim(second)
     store.confirm(second)  # 12 confirmed keys >= 10: the expired first six go
-    assert sorted(key for (key,) in _rows(Path(store.path), "SELECT key FROM rk_dedup")) == second
+    assert sorted(key for (key,) in _rows(Path(store.path), f"SELECT key FROM {TABLE}")) == second
 
 
 def _claim_worker(path: str, keys: list[str], start: Any, results: Any) -> None:
@@ -417,3 +420,128 @@ def test_a_closed_store_is_unavailable(make_store: Callable[..., SQLiteDedupStor
     store.close()
     with pytest.raises(DedupStoreUnavailable, match="closed"):
         store.claim(["k"])
+
+
+# ---- the partition fence -------------------------------------------------------------------
+
+
+def _lease(epoch: int, partition: int = 0) -> PartitionLease:
+    return PartitionLease("g", "t", partition, epoch)
+
+
+@pytest.mark.parametrize(
+    ("holders", "lost"),
+    [
+        ({("g", "t", 0): ("me", 2)}, False),  # ours, at our epoch
+        ({("g", "t", 0): ("me", 3)}, True),  # acquired again since (by this store's owner, elsewhere)
+        ({("g", "t", 0): ("other", 2)}, True),  # another owner at the same epoch cannot be ours
+        ({("g", "t", 0): ("other", 3)}, True),  # taken over
+        ({}, True),  # never taken: nothing to hold
+        ({("g", "t", 1): ("me", 2)}, True),  # another partition's row says nothing about this one
+    ],
+)
+def test_a_lease_is_kept_only_while_its_row_names_its_owner_and_epoch(
+    holders: dict[tuple[str, str, int], tuple[str, int]], lost: bool
+) -> None:
+    assert lost_leases([_lease(2)], holders, "me") == ([_lease(2)] if lost else [])
+
+
+def test_a_later_acquire_fences_the_earlier_holder_out_of_recording(
+    make_store: Callable[..., SQLiteDedupStore],
+) -> None:
+    old, new = make_store(), make_store()
+    lease = old.acquire("g", "t", 0)
+    assert old.record_done({lease: ["a", "b"]}) == []
+    assert old.seen(["a", "b", "c"], [lease]) == (frozenset({"a", "b"}), [])
+
+    taken = new.acquire("g", "t", 0)
+    assert taken.epoch == lease.epoch + 1
+    assert old.seen(["c"], [lease]) == (frozenset(), [lease])
+    assert old.record_done({lease: ["c"]}) == [lease], "the zombie's keys must not be recorded"
+    assert new.seen(["c"], [taken]) == (frozenset(), [])
+    # Another partition and another group are leased apart.
+    other = old.acquire("g", "t", 1)
+    assert old.record_done({other: ["d"]}) == []
+    assert new.acquire("h", "t", 0).epoch == 1
+
+
+def test_an_inbox_of_a_fenced_out_store_runs_nothing_and_names_the_partition(
+    make_store: Callable[..., SQLiteDedupStore], db_path: Path
+) -> None:
+    old, new = make_store(), make_store()
+    with closing(sqlite3.connect(db_path)) as conn:
+        conn.execute("CREATE TABLE fx (payload TEXT)")
+        conn.commit()
+    old.acquire("g", "orders", 3)
+    with old.inbox(["k1"]) as tx:
+        tx.conn.execute("INSERT INTO fx VALUES ('k1')")
+    new.acquire("g", "orders", 3)
+    ran = []
+    with pytest.raises(PartitionFenced, match=r"orders\[3\] of group 'g'") as refused, old.inbox(["k2"]) as tx:
+        ran.append(True)
+        tx.conn.execute("INSERT INTO fx VALUES ('k2')")
+    assert refused.value.partitions == [("orders", 3)]
+    assert not ran
+    assert _rows(db_path, "SELECT payload FROM fx") == [("k1",)]
+    assert new.seen(["k1", "k2"], []) == (frozenset({"k1"}), [])
+
+
+def _record_until_fenced(path: str, started: Any, results: Any) -> None:
+    """A consumer process: take partition t[0], then record batches a-0.., a-1.. until the fence refuses one."""
+    store = SQLiteDedupStore(path)
+    lease = store.acquire("g", "t", 0)
+    started.set()
+    recorded = 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if store.record_done({lease: [f"a-{recorded}-{i}" for i in range(20)]}):
+            break
+        recorded += 1
+        time.sleep(0.002)
+    store.close()
+    results.put(recorded)
+
+
+def test_once_another_process_takes_the_lease_the_old_holder_records_nothing(
+    make_store: Callable[..., SQLiteDedupStore], db_path: Path
+) -> None:
+    new = make_store()
+    ctx = multiprocessing.get_context("spawn")
+    started, results = ctx.Event(), ctx.Queue()
+    worker = ctx.Process(target=_record_until_fenced, args=(str(db_path), started, results))
+    worker.start()
+    try:
+        assert started.wait(30)
+        count = f"SELECT count(*) FROM {TABLE} WHERE key LIKE 'a-%'"
+        deadline = time.monotonic() + 30
+        while _rows(db_path, count)[0][0] < 200:  # the old holder is recording: take over mid-stream
+            assert time.monotonic() < deadline, "the recording process made no progress"
+            time.sleep(0.01)
+        new.acquire("g", "t", 0)
+        (at_takeover,) = _rows(db_path, count)[0]
+        recorded = results.get(timeout=30)
+    finally:
+        worker.join(timeout=30)
+    assert _rows(db_path, count)[0][0] == at_takeover == recorded * 20, "recorded after the takeover"
+
+
+def test_a_file_of_the_earlier_layout_keeps_its_keys(db_path: Path) -> None:
+    with closing(sqlite3.connect(db_path)) as conn:
+        conn.execute(f"CREATE TABLE {LEGACY_TABLE} (key TEXT PRIMARY KEY, state TEXT NOT NULL, owner TEXT NOT NULL,"
+                     " expires_ms INTEGER NOT NULL)")
+        conn.execute(f"INSERT INTO {LEGACY_TABLE} VALUES ('old', 'done', 'x', ?)", (time.time_ns() // 10**6 + 60_000,))
+        conn.commit()
+    with SQLiteDedupStore(db_path) as store:
+        assert store.claim(["old", "new"]).done == {"old"}
+    assert _rows(db_path, f"SELECT name FROM sqlite_master WHERE name = '{LEGACY_TABLE}'") == []
+
+
+def test_purge_walks_every_chunk(make_store: Callable[..., SQLiteDedupStore]) -> None:
+    store = make_store(retention_s=0.1, purge_every=3)  # chunks of 3 rows: ten keys take four
+    lease = store.acquire("g", "t", 0)
+    store.record_done({lease: [f"k{i}" for i in range(2)]})
+    store.record_done({lease: [f"k{i}" for i in range(2, 10)]})  # 10 recorded: a chunk of 6 went by now
+    time.sleep(PAST_LEASE_S)
+    store.claim(["live"], lease_s=60)
+    assert store.purge_expired() == 10
+    assert _rows(Path(store.path), f"SELECT key FROM {TABLE}") == [("live",)]

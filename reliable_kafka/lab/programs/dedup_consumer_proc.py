@@ -54,6 +54,8 @@ def main() -> int:
     ap.add_argument("--lease-s", type=float, default=3.0)
     ap.add_argument("--instance-id")
     ap.add_argument("--idle", type=float, default=5.0)
+    ap.add_argument("--handle-delay-s", type=float, default=0.0,
+                    help="sleep after each effect: keeps the member mid-batch, where a pause catches it")
     ap.add_argument("--status-file", help="where to publish progress for the tests' fault gates")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
@@ -98,6 +100,8 @@ def main() -> int:
 
     def handle(msg: Message) -> None:
         apply(msg)
+        if args.handle_delay_s:
+            time.sleep(args.handle_delay_s)
         progress.record(msg.partition(), msg.offset())  # type: ignore[arg-type]
         last_record[0] = time.monotonic()
 
