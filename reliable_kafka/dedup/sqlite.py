@@ -176,18 +176,26 @@ class SQLiteDedupStore(FencedDedupStore):
             )
         except sqlite3.Error as exc:
             raise self._unavailable("open the file", exc) from exc
-        # Imported here, not at module level: sqlite-utils pulls in click, and pandas/numpy when they are
-        # installed (~0.25 s), which `import reliable_kafka` must not pay for a store it may never open.
-        from sqlite_utils import Database
-
         try:
-            db = Database(conn)
-            db.enable_wal()
-            db.execute("PRAGMA synchronous=NORMAL")
-            for statement in _CREATE:
-                conn.execute(statement)
-            if db[LEGACY_TABLE].exists():
-                _migrate(conn)
+            tables = {name for (name,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name IN (?, ?, ?)",
+                (TABLE, LEASES, LEGACY_TABLE))}
+            if tables == {TABLE, LEASES}:
+                # A store opened before (every restart of its consumer): WAL is kept in the file, one
+                # pragma, and sqlite-utils, which imports pandas when installed (~0.8 s of CPU), stays unloaded.
+                conn.execute("PRAGMA journal_mode=wal")
+            else:
+                # Imported here, not at module level: sqlite-utils pulls in click, and pandas/numpy when they
+                # are installed, which `import reliable_kafka` must not pay for a store it may never open.
+                from sqlite_utils import Database
+
+                db = Database(conn)
+                db.enable_wal()
+                for statement in _CREATE:
+                    conn.execute(statement)
+                if db[LEGACY_TABLE].exists():
+                    _migrate(conn)
+            conn.execute("PRAGMA synchronous=NORMAL")
         except sqlite3.Error as exc:
             conn.close()
             raise self._unavailable("open the file", exc) from exc

@@ -112,3 +112,22 @@ def test_reopening_an_outbox_does_not_load_sqlite_utils(tmp_path: Path) -> None:
     assert created.returncode == 0 and reopened.returncode == 0, created.stderr + reopened.stderr
     assert created.stdout.split() == ["1", "True"]  # a new file: the schema is sqlite-utils' work
     assert reopened.stdout.split() == ["2", "False"]
+
+
+def test_reopening_a_sqlite_dedup_store_does_not_load_sqlite_utils(tmp_path: Path) -> None:
+    path = tmp_path / "dedup.db"
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from reliable_kafka.dedup import SQLiteDedupStore
+        store = SQLiteDedupStore({str(path)!r})
+        done = store.claim(["k"]).done
+        store.confirm(["k"])
+        print(sorted(done), "sqlite_utils" in sys.modules)
+        store.close()
+        """
+    )
+    created, reopened = _python(code), _python(code)
+    assert created.returncode == 0 and reopened.returncode == 0, created.stderr + reopened.stderr
+    assert created.stdout.split() == ["[]", "True"]
+    assert reopened.stdout.split() == ["['k']", "False"]  # the key confirmed by the first run is known
