@@ -6,6 +6,7 @@ is refused with a `ConfigError` naming the key and why, never silently rewritten
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from typing import Any
 
@@ -223,3 +224,64 @@ CONNECTION_PREFIXES = (
 def connection_settings(config: Mapping[str, Any]) -> dict[str, Any]:
     """Only the settings of `config` that say where the brokers are and how to connect and log in."""
     return {k: v for k, v in config.items() if k in CONNECTION_KEYS or k.startswith(CONNECTION_PREFIXES)}
+
+
+# Settings of the Java client that librdkafka does not take, and what to use instead: what people bring
+# from Spark's Kafka connector or a Java application. librdkafka knows a few of these names only to
+# refuse any value; tests/unit/test_config.py checks against the installed librdkafka that it refuses
+# every name here and knows every replacement.
+JAVA_CLIENT_SETTINGS: dict[str, tuple[tuple[str, ...], str]] = {
+    "max.request.size": (("message.max.bytes",), "the largest request, and so message, the client sends"),
+    "sasl.jaas.config": (("sasl.mechanism", "sasl.username", "sasl.password"),
+                         "a PLAIN or SCRAM login is the JAAS line's username and password, with sasl.mechanism"),
+    "ssl.truststore.location": (("ssl.ca.location",), "the CA certificate(s) as a PEM file"),
+    "ssl.truststore.password": (("ssl.ca.location",), "a PEM CA file has no password"),
+    "ssl.truststore.type": (("ssl.ca.location",), "librdkafka reads CA certificates as PEM"),
+    "ssl.keystore.type": (("ssl.keystore.location", "ssl.certificate.location", "ssl.key.location"),
+                          "ssl.keystore.location takes a PKCS#12 file; PEM files go to ssl.certificate.location "
+                          "and ssl.key.location"),
+    "buffer.memory": (("queue.buffering.max.kbytes",), "the producer's buffer, in kilobytes"),
+    "fetch.max.wait.ms": (("fetch.wait.max.ms",), "how long a fetch waits for fetch.min.bytes"),
+    "receive.buffer.bytes": (("socket.receive.buffer.bytes",), "the socket's receive buffer"),
+    "send.buffer.bytes": (("socket.send.buffer.bytes",), "the socket's send buffer"),
+    "partitioner.class": (("partitioner",), "a named partitioner; murmur2_random hashes keys as the Java client"),
+    "interceptor.classes": (("plugin.library.paths",), "interceptors are C plugins in librdkafka"),
+    "key.serializer": ((), "keys are sent as bytes: give a string or binary key"),
+    "value.serializer": ((), "values are sent as bytes: give a string or binary value"),
+    "key.deserializer": ((), "keys are read as bytes: decode them yourself"),
+    "value.deserializer": ((), "values are read as bytes: decode them yourself"),
+    "max.block.ms": ((), "librdkafka's produce() never blocks; message.timeout.ms bounds a delivery"),
+    "default.api.timeout.ms": ((), "each call takes its own timeout"),
+}
+
+
+def _without_value(message: str, value: Any) -> str:
+    # librdkafka quotes a refused value in its message; a password must not reach a log or a traceback.
+    return message.replace(f'"{value}"', '"<value>"')
+
+
+def check_client_settings(settings: Mapping[str, Any], *, key_prefix: str = "") -> None:
+    """Ask the installed librdkafka, without connecting anywhere, whether it takes every name and value.
+
+    A name it does not know raises ConfigError(key_prefix + name) with the librdkafka name to use when
+    it is a Java client's setting, or the closest librdkafka names; an invalid value raises with
+    librdkafka's reason (the value itself left out). Without a loadable librdkafka property table
+    (see rdkafka_conf) nothing is checked here and the client refuses them when it starts.
+    """
+    from reliable_kafka.rdkafka_conf import property_table
+
+    table = property_table()
+    if table is None:
+        return
+    for refusal in table.check(settings):
+        key = key_prefix + refusal.key
+        version = f"librdkafka {table.version_str}"
+        if refusal.key in JAVA_CLIENT_SETTINGS:
+            targets, why = JAVA_CLIENT_SETTINGS[refusal.key]
+            use = f"use {', '.join(key_prefix + t for t in targets)}" if targets else "leave it out"
+            raise ConfigError(key, f"is a Java client setting that {version} does not take: {use} ({why})")
+        if not refusal.unknown:
+            raise ConfigError(key, f"{_without_value(refusal.message, settings[refusal.key])} ({version})")
+        close = difflib.get_close_matches(refusal.key, table.names(), n=3, cutoff=0.7)
+        hint = f"; did you mean {' or '.join(key_prefix + c for c in close)}?" if close else ""
+        raise ConfigError(key, f"is not a {version} property (see librdkafka's CONFIGURATION.md){hint}")

@@ -140,6 +140,12 @@ class KafkaBatch:
             self.commit()
 
 
+_CHOOSE_RANGES = frozenset({
+    "subscribe", "subscribepattern", "startingtimestamp", "startingoffsetsbytimestamp", "endingtimestamp",
+    "endingoffsetsbytimestamp", "startingoffsetsbytimestampstrategy",
+})
+
+
 def read_kafka(
     spark: SparkSession,
     bootstrap_servers: str,
@@ -174,8 +180,9 @@ def read_kafka(
     opts.update({k: str(v) for k, v in (options or {}).items()})
     parsed = reader_options(opts)
     ranges = resolve_ranges(parsed)
-    # Pin the ranges: a DataFrame re-plans on every action, and "latest" would move between them.
-    pinned = {k: v for k, v in opts.items() if k not in ("subscribe", "subscribePattern")}
+    # Pin the ranges: a DataFrame re-plans on every action, and "latest" would move between them. The
+    # options that chose them give way to the pinned offsets (a timestamp would win over startingOffsets).
+    pinned = {k: v for k, v in opts.items() if k.lower() not in _CHOOSE_RANGES}
     pinned["assign"] = json.dumps({t: sorted({r.partition for r in ranges if r.topic == t})
                                    for t in sorted({r.topic for r in ranges})})
     pinned["startingOffsets"] = offsets_json(ranges, "start")

@@ -7,6 +7,7 @@ transaction. With dedupByRkId it drops records whose rk-id it has already return
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -183,6 +184,65 @@ def _pick(
     return out
 
 
+def _offsets_for_times(admin: AdminClient, wanted: dict[tuple[str, int], int]) -> dict[tuple[str, int], int]:
+    """The first offset whose timestamp is >= the given one, per partition; -1 where no record is that late."""
+    def call() -> dict[tuple[str, int], int]:
+        futures = admin.list_offsets(
+            {TopicPartition(t, p): OffsetSpec.for_timestamp(ts) for (t, p), ts in wanted.items()},
+            isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=10,
+        )
+        return {(tp.topic, tp.partition): int(f.result().offset) for tp, f in futures.items()}
+
+    return retry_kafka_call(call, deadline_s=_CALL_TIMEOUT_S, what="offsets for times") if wanted else {}
+
+
+def _timestamps(
+    name: str, every: int | None, by_partition: dict[str, dict[str, int]] | None, keys: list[tuple[str, int]]
+) -> dict[tuple[str, int], int] | None:
+    """Timestamp per partition from startingTimestamp-style (all partitions) or ...ByTimestamp-style options."""
+    if every is not None:
+        return dict.fromkeys(keys, every)
+    if by_partition is None:
+        return None
+    given = {(topic, int(p)): ts for topic, parts in by_partition.items() for p, ts in parts.items()}
+    missing = [key for key in keys if key not in given]
+    if missing:
+        # As Spark's source: a partition without a timestamp has no defined start, so every one is named.
+        topic, partition = missing[0]
+        raise ConfigError(name, f"gives no timestamp for {topic}[{partition}]: name every partition the read "
+                                f"selects ({len(missing)} missing)")
+    extra = sorted(set(given) - set(keys))
+    if extra:
+        raise ConfigError(name, f"names {extra[0][0]}[{extra[0][1]}], which the read does not select")
+    return given
+
+
+def _start_by_timestamp(
+    options: ReaderOptions, admin: AdminClient, stamps: dict[tuple[str, int], int], latest: dict[tuple[str, int], int]
+) -> dict[tuple[str, int], int]:
+    found = _offsets_for_times(admin, stamps)
+    starts = {}
+    for key, offset in found.items():
+        if offset < 0:
+            if options.timestamp_strategy == "error":
+                raise ConfigError(
+                    "startingOffsetsByTimestampStrategy",
+                    f"{key[0]}[{key[1]}] has no record at or after timestamp {stamps[key]} (strategy error, the "
+                    "default); set it to latest to start such partitions at their latest offset",
+                )
+            offset = latest[key]
+        starts[key] = min(offset, latest[key])
+    return starts
+
+
+def _end_by_timestamp(
+    admin: AdminClient, stamps: dict[tuple[str, int], int], latest: dict[tuple[str, int], int]
+) -> dict[tuple[str, int], int]:
+    # As Spark's source: no record at or after the ending timestamp means the end is the latest offset.
+    return {key: latest[key] if offset < 0 else min(offset, latest[key])
+            for key, offset in _offsets_for_times(admin, stamps).items()}
+
+
 def log_bounds(
     options: ReaderOptions, admin: AdminClient | None = None
 ) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
@@ -197,9 +257,15 @@ def log_bounds(
 
 
 def starting_offsets(
-    options: ReaderOptions, earliest: dict[tuple[str, int], int], latest: dict[tuple[str, int], int]
+    options: ReaderOptions, earliest: dict[tuple[str, int], int], latest: dict[tuple[str, int], int],
+    admin: AdminClient | None = None,
 ) -> dict[tuple[str, int], int]:
-    """Where the startingOffsets option starts each partition of `earliest`."""
+    """Where the start options start each partition of `earliest`: as in Spark's source, startingTimestamp
+    wins over startingOffsetsByTimestamp, which wins over startingOffsets."""
+    stamps = _timestamps("startingOffsetsByTimestamp", options.starting_timestamp,
+                         options.starting_offsets_by_timestamp, sorted(earliest))
+    if stamps is not None:
+        return _start_by_timestamp(options, admin or AdminClient(connection_settings(options.kafka)), stamps, latest)
     tps = [TopicPartition(topic, partition) for topic, partition in earliest]
     committed = _committed(options, tps) if options.starting_offsets == "committed" else {}
     return _pick(options.starting_offsets, EARLIEST, earliest, latest, committed)
@@ -208,20 +274,58 @@ def starting_offsets(
 def resolve_ranges(options: ReaderOptions) -> list[OffsetRange]:
     """Turn the offset options into concrete ranges (empty ones included), once, on the driver.
 
-    "latest" is the last stable offset (read_committed): the end of what is committed now.
+    "latest" is the last stable offset (read_committed): the end of what is committed now. As in Spark's
+    source, startingTimestamp wins over startingOffsetsByTimestamp, which wins over startingOffsets (the
+    same for the ending options).
     """
-    earliest, latest = log_bounds(options)
-    starts = starting_offsets(options, earliest, latest)
-    ends = _pick(options.ending_offsets, LATEST, earliest, latest, {})
+    admin = AdminClient(connection_settings(options.kafka))
+    earliest, latest = log_bounds(options, admin)
+    starts = starting_offsets(options, earliest, latest, admin)
+    end_stamps = _timestamps("endingOffsetsByTimestamp", options.ending_timestamp,
+                             options.ending_offsets_by_timestamp, sorted(earliest))
+    if end_stamps is not None:
+        ends = _end_by_timestamp(admin, end_stamps, latest)
+    else:
+        ends = _pick(options.ending_offsets, LATEST, earliest, latest, {})
     ranges = []
     for (topic, partition), start in sorted(starts.items()):
         end = ends[(topic, partition)]
+        if not options.fail_on_data_loss and start < earliest[(topic, partition)]:
+            # failOnDataLoss=false: what retention deleted is skipped (a range wholly deleted reads nothing).
+            log.warning("%s[%d]: offsets %d..%d are no longer in the log; skipped (failOnDataLoss=false)",
+                        topic, partition, start, earliest[(topic, partition)] - 1)
+            start = max(start, min(earliest[(topic, partition)], end))
         if start > end:
             raise ConfigError(
                 "startingOffsets", f"{topic}[{partition}] starts at {start}, after its end offset {end}"
             )
         ranges.append(OffsetRange(topic, partition, start, end))
     return ranges
+
+
+def split_ranges(
+    ranges: list[OffsetRange], *, min_partitions: int | None = None, max_records: int | None = None
+) -> list[OffsetRange]:
+    """Spark's minPartitions / maxRecordsPerPartition: cut the non-empty ranges into more, smaller tasks.
+
+    maxRecordsPerPartition first cuts every range into pieces of at most that many offsets; then, while
+    there are fewer pieces than minPartitions, each is cut in proportion to its share of all offsets
+    (at least one piece each), as Spark's KafkaOffsetRangeCalculator does. Pieces cover each range exactly.
+    """
+    pieces = [r for r in ranges if r.start < r.end]
+    if max_records is not None:
+        pieces = [p for r in pieces for p in _divide(r, -(-(r.end - r.start) // max_records))]
+    if min_partitions is not None and min_partitions > len(pieces):
+        total = sum(r.end - r.start for r in pieces)
+        pieces = [p for r in pieces for p in _divide(r, max(round((r.end - r.start) / total * min_partitions), 1))]
+    return pieces
+
+
+def _divide(r: OffsetRange, parts: int) -> list[OffsetRange]:
+    size = r.end - r.start
+    parts = max(1, min(parts, size))
+    bounds = [r.start + size * i // parts for i in range(parts + 1)]
+    return [OffsetRange(r.topic, r.partition, lo, hi) for lo, hi in itertools.pairwise(bounds)]
 
 
 def offsets_json(ranges: list[OffsetRange], which: str) -> str:
@@ -373,7 +477,11 @@ class KafkaReader(DataSourceReader):
         self.schema = schema
 
     def partitions(self) -> list[InputPartition]:
-        ranges: list[InputPartition] = [r for r in resolve_ranges(self.options) if r.start < r.end]
+        ranges: list[InputPartition] = list(split_ranges(
+            resolve_ranges(self.options),
+            min_partitions=self.options.min_partitions,
+            max_records=self.options.max_records_per_partition,
+        ))
         # Spark wants at least one partition; an empty range reads nothing.
         return ranges or [OffsetRange(f"rk-empty-{uuid.uuid4().hex[:6]}", 0, 0, 0)]
 

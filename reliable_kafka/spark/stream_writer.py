@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 QUERY_ID_KEY = "sql.streaming.queryId"
 BATCH_ID_KEY = "streaming.sql.batchId"
 
+# Names a stream's sink is handed besides the writer's own.
+STREAM_WRITER_OPTIONS = frozenset({"checkpointLocation"})
+
 # The write id a stream's options are validated with before any batch has one of its own.
 _UNBOUND = "stream"
 
@@ -50,7 +53,8 @@ def stream_writer_options(options: Mapping[str, str]) -> WriterOptions:
             raise ConfigError(
                 name, "a stream derives one write id per micro-batch from its query id and batch id; remove it "
                 "(the checkpointLocation is what keeps the ids stable across restarts)")
-    return writer_options({**options, "write_id": _UNBOUND})
+    # Spark hands the sink the query's own options too (its checkpointLocation).
+    return writer_options({**options, "write_id": _UNBOUND}, extra_names=STREAM_WRITER_OPTIONS)
 
 
 class KafkaStreamArrowWriter(DataSourceStreamArrowWriter):

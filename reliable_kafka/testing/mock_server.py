@@ -21,17 +21,16 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
-import importlib.util
 import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from reliable_kafka import rdkafka_conf
 from reliable_kafka.errors import ClusterError
 
 log = logging.getLogger("reliable_kafka.testing.mock_server")
@@ -120,21 +119,13 @@ def error_codes(errors: Sequence[int]) -> list[int]:
 
 def find_librdkafka() -> str:
     """Path of the librdkafka inside the confluent-kafka wheel, else a system librdkafka."""
-    spec = importlib.util.find_spec("confluent_kafka")
-    if spec is not None and spec.submodule_search_locations:
-        package_dir = Path(next(iter(spec.submodule_search_locations)))
-        # Linux wheels vendor it next to the package (auditwheel), macOS wheels inside it (delocate).
-        candidates = sorted(package_dir.parent.glob("confluent_kafka.libs/librdkafka*.so*"))
-        candidates += sorted(package_dir.glob(".dylibs/librdkafka*.dylib"))
-        if candidates:
-            return str(candidates[0])
-    system = ctypes.util.find_library("rdkafka")
-    if system:
-        return system
-    raise ClusterError(
-        "librdkafka not found: neither inside the confluent-kafka wheel nor on the system; "
-        "install confluent-kafka from its binary wheel (pip install confluent-kafka)"
-    )
+    path = rdkafka_conf.find_librdkafka()
+    if path is None:
+        raise ClusterError(
+            "librdkafka not found: neither inside the confluent-kafka wheel nor on the system; "
+            "install confluent-kafka from its binary wheel (pip install confluent-kafka)"
+        )
+    return path
 
 
 def _bind(lib: ctypes.CDLL, name: str, restype: Any, argtypes: list[Any]) -> Any:

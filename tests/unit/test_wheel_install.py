@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert built.returncode == 0, built.stderr
     (found,) = out.glob("reliable_kafka-*.whl")
     return found
+
+
+def test_the_wheel_carries_the_module_spark_registers_the_data_source_from(wheel: Path) -> None:
+    # Spark 4 imports installed top-level pyspark_* modules and registers their DefaultSource.
+    with zipfile.ZipFile(wheel) as built:
+        assert "pyspark_reliable_kafka.py" in built.namelist()
 
 
 def _venv(where: Path, requirement: str) -> Path:
