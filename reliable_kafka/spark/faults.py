@@ -78,3 +78,30 @@ class UntilCommitted:
                 return
             time.sleep(0.3)
         raise TimeoutError(f"partitions {self.partitions} of write {self.write_id} did not complete in time")
+
+
+def slow_attempts(
+    df: DataFrame,
+    *,
+    seconds_per_batch: float,
+    attempts: tuple[int, ...] | None = (0,),
+    partitions: tuple[int, ...] | None = None,
+) -> DataFrame:
+    """`df` whose chosen task attempts wait `seconds_per_batch` before passing each Arrow batch on.
+
+    Makes a partition take long enough to be caught mid-write (a fault gated on its progress), or
+    makes one attempt a straggler that speculation runs a copy of (attempts=(0,): the copy is fast).
+    """
+
+    def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        context = TaskContext.get()
+        assert context is not None
+        chosen = (attempts is None or context.attemptNumber() in attempts) and (
+            partitions is None or context.partitionId() in partitions
+        )
+        for batch in batches:
+            if chosen:
+                time.sleep(seconds_per_batch)
+            yield batch
+
+    return df.mapInArrow(run, df.schema)

@@ -1,0 +1,104 @@
+"""The driver of the standalone-cluster tests, run as its own process: `python -m tests.spark.cluster_driver SPEC`.
+
+A process holds one SparkContext, and the test process already holds the local session, so a job on
+the cluster gets a driver of its own. It is set up the way docs/spark.md ("Running on a cluster")
+tells users to: the package shipped to the executors as a zip (spark.submit.pyFiles, what --py-files
+sets) and the executors' Python named by PYSPARK_PYTHON. It prints one JSON line: what the write did.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import urllib.request
+from typing import Any
+
+
+def _module_file_on_executors(spark: Any) -> list[str]:
+    """Where the executors' Python workers import reliable_kafka from (one small task per executor slot)."""
+
+    def where(_: Any) -> list[str]:
+        import reliable_kafka
+
+        return [str(reliable_kafka.__file__)]
+
+    return sorted(set(spark.sparkContext.parallelize(range(4), 4).flatMap(where).collect()))
+
+
+def _tasks(spark: Any, stage_ids: list[int], timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    """Every task attempt of the stages, once none is running (a speculation's loser is killed after the
+    job ended): index, attempt, status (SUCCESS / KILLED / FAILED), speculative, errorMessage."""
+    base = f"{spark.sparkContext.uiWebUrl}/api/v1/applications/{spark.sparkContext.applicationId}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        tasks = []
+        for stage in stage_ids:
+            with urllib.request.urlopen(f"{base}/stages/{stage}/0/taskList?length=1000", timeout=10) as rsp:
+                tasks += json.loads(rsp.read())
+        if all(t["status"] not in ("RUNNING", "UNKNOWN") for t in tasks) or time.monotonic() > deadline:
+            keys = ("index", "attempt", "status", "speculative", "host", "duration", "errorMessage")
+            return [{k: t.get(k) for k in keys} for t in tasks]
+        time.sleep(0.5)
+
+
+def main(spec: dict[str, Any]) -> dict[str, Any]:
+    # The executors' Python: an interpreter every node has at this path, with pyspark, pyarrow and
+    # confluent-kafka installed (reliable_kafka itself comes in the zip).
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    from pyspark.sql import SparkSession
+
+    from reliable_kafka.spark import write_kafka
+    from reliable_kafka.spark.api import register
+    from reliable_kafka.spark.faults import slow_attempts
+    from tests.spark.jobs import numbered_frame
+
+    builder = (
+        SparkSession.builder.master(spec["master"]).appName(spec.get("app", "reliable-kafka-cluster-test"))
+        .config("spark.submit.pyFiles", spec["py_files"])
+        .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.memory", "512m")
+        .config("spark.executor.memory", "512m").config("spark.executor.cores", "1")
+        # The UI's REST API tells how each task attempt ended (killed is not failed).
+        .config("spark.ui.enabled", "true").config("spark.ui.port", str(spec["ui_port"]))
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "250")
+    )
+    for key, value in spec.get("conf", {}).items():
+        builder = builder.config(key, str(value))
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel(spec.get("log_level", "WARN"))
+    try:
+        register(spark)
+        module_files = _module_file_on_executors(spark)
+        df, _ = numbered_frame(spark, spec["write_id"], partitions=spec["partitions"],
+                               rows_per_partition=spec["rows_per_partition"])
+        for slow in spec.get("slow", []):
+            df = slow_attempts(df, seconds_per_batch=slow["seconds_per_batch"],
+                               attempts=tuple(slow["attempts"]) if slow.get("attempts") is not None else None,
+                               partitions=tuple(slow["partitions"]) if slow.get("partitions") is not None else None)
+        spark.sparkContext.setJobGroup("write", "the write under test")
+        result = write_kafka(df, spec["bootstrap"], spec["topic"], guarantee="exactly_once",
+                             write_id=spec["write_id"], num_partitions=spec["partitions"],
+                             options=spec.get("options", {}))
+        tracker = spark.sparkContext.statusTracker()
+        stage_ids = sorted({s for j in tracker.getJobIdsForGroup("write") if (job := tracker.getJobInfo(j))
+                            for s in job.stageIds})
+        tasks = _tasks(spark, stage_ids)
+        assert result.manifest is not None
+        return {
+            "rows": result.manifest.rows,
+            "partitions": {str(p): {"attempt": m.attempt, "rows_written": m.rows_written}
+                           for p, m in result.manifest.partitions.items()},
+            "tasks": tasks,
+            "module_files": module_files,
+        }
+    finally:
+        spark.stop()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    print(json.dumps(main(json.loads(sys.argv[1]))), flush=True)

@@ -1,0 +1,100 @@
+"""exactly_once on a real Spark standalone cluster: an executor JVM SIGKILLed mid-write; nothing lost, nothing
+duplicated.
+
+Each job runs in a driver process of its own against the `spark_cluster` fixture (Master + 2 Workers on
+127.0.0.2 and 127.0.0.3), set up as docs/spark.md "Running on a cluster" says; the fault is injected once
+the write has made observable progress (committed markers in Kafka), never after a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from reliable_kafka.spark.markers import MarkerTopic, PartitionMarker, partition_key
+from reliable_kafka.spark.options import DEFAULT_MARKER_TOPIC
+from reliable_kafka.testing import free_port
+from reliable_kafka.testing.verify import verdict
+from tests.spark.jobs import read_back
+
+pytestmark = [pytest.mark.spark, pytest.mark.cluster]
+
+PARTITIONS = 4
+ROWS = 2_000  # per partition: 8 Arrow batches of 250 rows
+
+
+def _values(write_id: str) -> list[bytes]:
+    return [f"{write_id}-{i:08d}".encode() for i in range(PARTITIONS * ROWS)]
+
+
+def _result(driver: subprocess.Popen[str], log_path: Path, timeout: float = 150.0) -> dict[str, Any]:
+    try:
+        out, _ = driver.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        driver.communicate()
+        pytest.fail(f"the cluster job did not end within {timeout:.0f}s; driver said:\n{_tail(log_path)}")
+    assert driver.returncode == 0, f"the cluster job failed (exit {driver.returncode}):\n{_tail(log_path)}"
+    return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+def _tail(log_path: Path, chars: int = 6000) -> str:
+    return log_path.read_text(errors="replace")[-chars:]
+
+
+def _markers(kafka: Any) -> MarkerTopic:
+    markers = MarkerTopic({"bootstrap.servers": kafka.bootstrap_servers}, DEFAULT_MARKER_TOPIC)
+    markers.ensure(32)  # what the driver's write would create: the test reads it before the write starts
+    return markers
+
+
+def test_exactly_once_on_a_cluster_survives_an_executor_sigkill(spark_cluster, kafka, make_topic, tmp_path) -> None:
+    topic = make_topic(partitions=3)
+    write_id = f"kill-{uuid.uuid4().hex[:8]}"
+    markers = _markers(kafka)
+    cluster = spark_cluster.cluster
+    # Every attempt passes a batch on every 0.25 s: a partition takes about 2 s, long enough to be
+    # caught with rows committed and the rest still to come.
+    driver = spark_cluster.submit({
+        "bootstrap": kafka.bootstrap_servers, "topic": topic, "write_id": write_id, "ui_port": free_port(),
+        "partitions": PARTITIONS, "rows_per_partition": ROWS, "options": {"chunkRows": "500"},
+        "slow": [{"seconds_per_batch": 0.25, "attempts": None}],
+    }, log_path := tmp_path / "driver.log")
+    try:
+        keys = [partition_key(write_id, p) for p in range(PARTITIONS)]
+        deadline = time.monotonic() + 90
+        victim = None
+        while victim is None:
+            assert driver.poll() is None, f"the job ended before the fault:\n{_tail(log_path)}"
+            assert time.monotonic() < deadline, "no two partitions were caught mid-write within 90 s"
+            found = markers.read(keys)
+            in_flight = [k for k in keys
+                         if isinstance(m := found.get(k), PartitionMarker) and m.rows > 0 and not m.done]
+            executors = cluster.executor_pids()
+            # Two partitions committed in part and none finished: each single-core executor is in the
+            # middle of one of them, so whichever dies takes a half-written partition with it.
+            if len(in_flight) == 2 and len(executors) == 2 and not any(
+                    isinstance(m, PartitionMarker) and m.done for m in found.values()):
+                victim = sorted(executors)[0]
+                cluster.kill_executor(victim)
+            else:
+                time.sleep(0.1)
+        result = _result(driver, log_path)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+
+    v = verdict(_values(write_id), [m.value() for m in read_back(kafka.bootstrap_servers, topic)])
+    assert (v.acked, v.lost, v.duplicates) == (PARTITIONS * ROWS, 0, 0), v
+    assert result["rows"] == PARTITIONS * ROWS
+    # The fault bit: a partition the dead executor was writing was finished by a later attempt.
+    assert max(p["attempt"] for p in result["partitions"].values()) >= 1, result["partitions"]
+    # The executors ran the package from the zip the driver shipped, not from an installation.
+    assert result["module_files"] and all("reliable_kafka.zip" in f for f in result["module_files"]), result
