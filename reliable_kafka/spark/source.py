@@ -1,4 +1,4 @@
-"""The `reliable_kafka` Spark Python Data Source: df.write.format("reliable_kafka") and spark.read.format(...).
+"""The `reliable_kafka` Spark Python Data Source: df.write / spark.read / writeStream / readStream.format(...).
 
 Options are validated on the driver before any task starts; an exactly_once write also checks, before
 writing, whether its write id already completed (then every task only verifies its input).
@@ -16,7 +16,13 @@ from pyspark.sql.datasource import (
 from pyspark.sql.types import StructType
 
 from reliable_kafka.errors import ConfigError
-from reliable_kafka.spark.options import EXACTLY_ONCE, reader_options, stream_reader_options, writer_options
+from reliable_kafka.spark.options import (
+    EXACTLY_ONCE,
+    STREAM_READER_OPTIONS,
+    reader_options,
+    stream_reader_options,
+    writer_options,
+)
 from reliable_kafka.spark.reader import KafkaReader, schema_ddl
 from reliable_kafka.spark.stream_reader import KafkaStreamReader
 from reliable_kafka.spark.stream_writer import KafkaStreamArrowWriter, stream_writer_options
@@ -33,7 +39,9 @@ class ReliableKafkaDataSource(DataSource):
         return FORMAT
 
     def schema(self) -> str:
-        return schema_ddl(reader_options(self.options).include_headers)
+        # Spark asks for the schema before it knows whether a batch or a stream reads: the stream's own
+        # option names pass here, and reader() / streamReader() refuse what their side does not take.
+        return schema_ddl(reader_options(self.options, extra_names=STREAM_READER_OPTIONS).include_headers)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         return KafkaReader(reader_options(self.options), schema)
