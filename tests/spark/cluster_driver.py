@@ -48,6 +48,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     # The executors' Python: an interpreter every node has at this path, with pyspark, pyarrow and
     # confluent-kafka installed (reliable_kafka itself comes in the zip).
     os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # loopback only, whatever the host name resolves to
     from pyspark.sql import SparkSession
 
     from reliable_kafka.spark import write_kafka
