@@ -152,7 +152,9 @@ class RetryPolicy:
             if stop_event is None:
                 await asyncio.sleep(seconds)
                 return
-            with contextlib.suppress(TimeoutError):
+            # asyncio.TimeoutError: on Python 3.10 wait_for raises it, and it is not yet the builtin
+            # TimeoutError (3.11 made them one), so a backoff that ran out escaped as an error.
+            with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop_event.wait(), seconds)
                 raise _StopRequested
 

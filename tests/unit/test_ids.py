@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -35,7 +36,11 @@ def _parent_and_forked_child_ids(mint: Callable[[], list[str]]) -> tuple[set[str
     """What `mint()` returns in a forked child (at once, as a Spark worker would after a fork) and in the
     parent meanwhile."""
     read, write = os.pipe()
-    pid = os.fork()
+    # Python 3.12+ warns that a fork of a process with threads (pytest's, xdist's) may deadlock the child;
+    # the child here only mints ids and writes them, as a Spark worker forked from its daemon would.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+        pid = os.fork()
     if pid == 0:
         os.close(read)
         os.write(write, "\n".join(mint()).encode())
