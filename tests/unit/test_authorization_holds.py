@@ -18,7 +18,9 @@ from reliable_kafka.producer import ReliableProducer
 from reliable_kafka.producer.holds import FIRST_WAIT_S, MAX_WAIT_S, AuthorizationHolds
 from reliable_kafka.testing.mock import MockCluster
 
-pytestmark = pytest.mark.timeout(120)
+# waits: its seconds go to librdkafka's timers against a mock or absent broker, not to code that differs
+# between Pythons; `./dev pythons` (the unit tier on 3.10 and 3.13) leaves it out to stay in the budget.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.waits]
 
 
 class Clock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from reliable_kafka.cli.main import cli
@@ -36,6 +37,7 @@ def test_lab_refuses_a_cluster_it_cannot_break(tmp_path: Path) -> None:
     assert "reliable-kafka cluster start" in out
 
 
+@pytest.mark.waits  # doctor's 10 s of librdkafka timeouts against no broker
 def test_doctor_on_unreachable_brokers_fails_clearly() -> None:
     code, out = run("doctor", "--bootstrap-servers", "127.0.0.1:1")
     assert code == 1

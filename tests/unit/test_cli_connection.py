@@ -170,6 +170,7 @@ def test_malformed_x_and_a_missing_file_fail_doctor_clearly(tmp_path: Path, capl
     assert code == 1 and "gone.properties (from RELIABLE_KAFKA_CONFIG) does not exist" in out.replace("\n", "")
 
 
+@pytest.mark.waits  # doctor's 10 s of librdkafka timeouts against no broker
 def test_doctor_on_unreachable_brokers_with_a_login_never_prints_the_password(
     secret_file: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -7,11 +7,17 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 from reliable_kafka.extras import missing_modules
 from reliable_kafka.lab.service_crash import LoadGenerator, Service, inject
 from reliable_kafka.outbox.front import Outbox
 from reliable_kafka.outbox.pool import pool_status
 from tests.fixtures.requirements import missing
+
+# waits: its seconds go to starting, loading and SIGKILLing uvicorn workers, not to code that differs
+# between Pythons; `./dev pythons` (the unit tier on 3.10 and 3.13) leaves it out to stay in the budget.
+pytestmark = pytest.mark.waits
 
 UNREACHABLE = "127.0.0.1:1"
 
