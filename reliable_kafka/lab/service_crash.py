@@ -112,6 +112,13 @@ class Service:
                 out.append(Worker(status["pid"], status["unconfirmed"]))
         return out
 
+    def serving(self) -> bool:
+        """Whether the current master is still running (it exits at once when it cannot bind its port)."""
+        return self.master is not None and self.master.poll() is None
+
+    def master_exit_code(self) -> int | None:
+        return None if self.master is None else self.master.poll()
+
     def wait_serving(self, workers: int, timeout_s: float = 60.0) -> None:
         if not wait_for(lambda: len(self.workers()) == workers, timeout_s=timeout_s, poll_s=0.1):
             raise RuntimeError(f"{workers} uvicorn workers did not start serving on {self.url} within {timeout_s:.0f}s")
@@ -123,12 +130,20 @@ class Service:
         (self.status_dir / f"worker-{pid}.json").unlink(missing_ok=True)
 
     def kill(self) -> None:
-        """SIGKILL the master and every worker at once (their process group), and forget their status."""
+        """SIGKILL the master and every worker at once (their process group), and forget their status.
+
+        Returns once the port is free again: start() binds the same port, and a SIGKILLed worker keeps
+        the listening socket until it has really exited, which on a loaded host (a worker inside an
+        fsync, say) came after the master's exit: the new master then failed with "Address already in
+        use", served nothing, and the next fault's condition never held.
+        """
         if self.master is not None and self.master.poll() is None:
             os.killpg(self.master.pid, signal.SIGKILL)
             self.master.wait()
         for path in self.status_dir.glob("worker-*.json"):
             path.unlink()
+        if not wait_for(lambda: _port_free(self.port), timeout_s=30, poll_s=0.05):
+            raise RuntimeError(f"port {self.port} is still in use 30s after the service's SIGKILL")
 
     def stop(self, timeout_s: float = 90.0) -> bool:
         """Shut down gracefully (SIGTERM: each worker closes its producer); SIGKILL after `timeout_s`.
@@ -143,6 +158,17 @@ class Service:
             self.kill()
             return False
         return True  # uvicorn's master joins its workers before it exits: none outlives it
+
+
+def _port_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:`port` now (as uvicorn binds: with SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class LoadGenerator:
@@ -227,6 +253,9 @@ def inject(service: Service, load: LoadGenerator, *, faults: Sequence[str], betw
         def ready(mark: int = mark, wanted: int = wanted, chosen: list[Worker] = chosen) -> bool:
             if not load.running:
                 raise RuntimeError("the load generator stopped")
+            if not service.serving():
+                raise RuntimeError(f"the uvicorn master exited (code {service.master_exit_code()}): "
+                                   "see the service log")
             if len(load.acked) - mark < wanted:
                 return False
             holding = [w for w in service.workers() if w.unconfirmed >= margin]
