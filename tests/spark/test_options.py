@@ -28,6 +28,7 @@ from reliable_kafka.spark.fingerprint import Fingerprint
 from reliable_kafka.spark.options import READER_OPTIONS, READER_REFUSED, reader_options, writer_options
 from reliable_kafka.spark.reader import OffsetRange, split_ranges
 from reliable_kafka.spark.writer import check_input_schema
+from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS
 from reliable_kafka.testing.verify import verdict
 from tests.fixtures.requirements import missing
 
@@ -342,7 +343,9 @@ def test_format_and_sql_work_without_register_in_a_fresh_session(kafka, make_top
         producer.produce(topic, value.encode())
     assert producer.flush(30) == 0
     # PYTHONPATH: this checkout (with pyspark_reliable_kafka.py at its top) for the driver and every Python worker.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1"}
+    # JAVA_TOOL_OPTIONS: the JIT's first tier only, as for the suite's other JVMs (the job is small).
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_IP": "127.0.0.1",
+           "JAVA_TOOL_OPTIONS": " ".join(QUICK_START_JVM_OPTIONS)}
     run = subprocess.run([sys.executable, "-c", _WITHOUT_REGISTER, kafka.bootstrap_servers, topic], cwd=tmp_path,
                          env=env, capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
