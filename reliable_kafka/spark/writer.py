@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 # per-partition dedup by rk-id sees both copies (a random partitioner could split them).
 STICKY_ROWS = 4096
 _CALL_TIMEOUT_S = 30.0
+# How often a fenced attempt reads the marker while it waits for the newer attempt's outcome.
+FENCED_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -419,7 +421,7 @@ class _ExactlyOnce:
         chunks = marker.chunks if marker is not None else 0
         sender = _Sender(producer, options, self.partition, options.transaction_timeout_ms / 1000)
         hook = _hook_rows(options, self.attempt)
-        state = {"in_chunk": 0, "sent": 0}
+        state = {"in_chunk": 0, "sent": 0, "committed": 0}  # committed: of the rows sent, those committed
         chunk_started = time.monotonic()
         open_txn = False
 
@@ -431,8 +433,9 @@ class _ExactlyOnce:
                 limits.append(max(1, hook - state["sent"]))
             return min(limits)
 
+        pieces = _pieces(batches, room)
         try:
-            for piece in _pieces(batches, room):
+            for piece in pieces:
                 row = self.fingerprint.rows
                 self.fingerprint.update(piece)
                 if row < resume:  # committed by an earlier attempt: only prove it is the same input
@@ -454,7 +457,7 @@ class _ExactlyOnce:
                 if state["in_chunk"] >= options.chunk_rows or time.monotonic() - chunk_started >= options.chunk_seconds:
                     chunks += 1
                     self._commit(producer, chunks, done=False, rows_written=state["sent"])
-                    open_txn, state["in_chunk"] = False, 0
+                    open_txn, state["in_chunk"], state["committed"] = False, 0, state["sent"]
             if self.fingerprint.rows < resume:
                 assert marker is not None
                 self._check_same(marker, self.fingerprint.rows, exact=False)
@@ -465,12 +468,70 @@ class _ExactlyOnce:
         except BaseException as exc:
             if open_txn and not _is_fatal(exc):
                 self._abort_quietly(producer)
-            raise
+            fenced = self._as_fence(exc)
+            if fenced is None or self.crashed:
+                raise
+            return self._outcome_after_fence(pieces, fenced, resume=resume, rows_written=state["committed"])
         if hook == -1:
             raise _injected_failure(options, self.partition, state["sent"])
         return PartitionCommit(
             options.write_id, self.partition, self.attempt, rows=self.fingerprint.rows, rows_written=state["sent"],
             resumed_from=resume, skipped=state["sent"] == 0, fingerprint=self.fingerprint.digest(), chunks=chunks,
+        )
+
+    def _as_fence(self, exc: BaseException) -> TransactionFenced | None:
+        """The TransactionFenced that `exc` is or means (a produce() refused after fencing), else None."""
+        if isinstance(exc, TransactionFenced):
+            return exc
+        if isinstance(exc, KafkaException):
+            failure = self._failure(exc, "writing rows")
+            if isinstance(failure, TransactionFenced):
+                failure.__cause__ = exc
+                return failure
+        return None
+
+    def _outcome_after_fence(self, pieces: Iterator[pa.RecordBatch], fenced: TransactionFenced, *, resume: int,
+                             rows_written: int) -> PartitionCommit:
+        """A newer attempt of this partition fenced this one: end with its outcome rather than fail.
+
+        The newer attempt is Spark's speculative copy, or a retry started while this attempt still ran.
+        Failing here would count against spark.task.maxFailures although nothing went wrong: with
+        speculation and a slow partition on every host, those failures added up until Spark aborted the
+        job. So this attempt waits for the newer one to commit the partition's last chunk. Spark then
+        kills it (killed, not failed), or, if it sees the marker first, it reads the rest of its input
+        and ends with the newer attempt's outcome once its own rows and fingerprint are the same (Spark
+        keeps the first success of a task and ignores the other). The wait ends with the fence raised
+        when the marker has not moved for the transaction timeout (a live writer commits a chunk every
+        chunkSeconds, at most a third of it, while its input flows: the newer attempt is gone too, and a
+        retry must take over), or when this input turns out to be a cut-off prefix (a worker that outlived
+        its task).
+        """
+        log.info("write %s partition %d attempt %d was fenced by a newer attempt; waiting for its outcome "
+                 "(%s)", self.options.write_id, self.partition, self.attempt, fenced)
+        stall_s = self.options.transaction_timeout_ms / 1000
+        seen: tuple[int, int, bool] | None = None
+        moved = time.monotonic()
+        while True:
+            marker = self.markers.read([self.key]).get(self.key)
+            if isinstance(marker, PartitionMarker) and marker.done:
+                break
+            now = time.monotonic()
+            state = (marker.rows, marker.chunks, marker.done) if isinstance(marker, PartitionMarker) else None
+            if state != seen:
+                seen, moved = state, now
+            elif now - moved > stall_s:
+                raise fenced
+            time.sleep(FENCED_POLL_S)
+        for piece in pieces:  # the rest of this input, to compare it with what the newer attempt wrote
+            self.fingerprint.update(piece)
+        if self.fingerprint.rows != marker.rows:
+            raise fenced  # a cut-off input (or the newer attempt's own is): this attempt proves nothing
+        self._check_same(marker, self.fingerprint.rows, exact=True)
+        log.info("write %s partition %d attempt %d ends with the outcome of attempt %d (%d rows committed)",
+                 self.options.write_id, self.partition, self.attempt, marker.attempt, marker.rows)
+        return PartitionCommit(
+            self.options.write_id, self.partition, self.attempt, rows=marker.rows, rows_written=rows_written,
+            resumed_from=resume, skipped=rows_written == 0, fingerprint=marker.fingerprint, chunks=marker.chunks,
         )
 
     def _commit(self, producer: Producer, chunks: int, *, done: bool, rows_written: int) -> None:

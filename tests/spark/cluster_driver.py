@@ -54,6 +54,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     from reliable_kafka.spark import write_kafka
     from reliable_kafka.spark.api import register
     from reliable_kafka.spark.faults import slow_attempts
+    from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS
     from tests.spark.jobs import numbered_frame
 
     builder = (
@@ -66,6 +67,10 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         .config("spark.ui.enabled", "true").config("spark.ui.port", str(spec["ui_port"]))
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.execution.arrow.maxRecordsPerBatch", "250")
+        # The JIT's first tier only, as for the suite's other JVMs (QUICK_START_JVM_OPTIONS): the driver and
+        # each executor (a killed one's replacement too) start a JVM for a small job, on two busy cores.
+        .config("spark.driver.extraJavaOptions", " ".join(QUICK_START_JVM_OPTIONS))
+        .config("spark.executor.extraJavaOptions", " ".join(QUICK_START_JVM_OPTIONS))
     )
     for key, value in spec.get("conf", {}).items():
         builder = builder.config(key, str(value))
@@ -79,7 +84,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         for slow in spec.get("slow", []):
             df = slow_attempts(df, seconds_per_batch=slow["seconds_per_batch"],
                                attempts=tuple(slow["attempts"]) if slow.get("attempts") is not None else None,
-                               partitions=tuple(slow["partitions"]) if slow.get("partitions") is not None else None)
+                               partitions=tuple(slow["partitions"]) if slow.get("partitions") is not None else None,
+                               after_batches=slow.get("after_batches", 0))
         spark.sparkContext.setJobGroup("write", "the write under test")
         result = write_kafka(df, spec["bootstrap"], spec["topic"], guarantee="exactly_once",
                              write_id=spec["write_id"], num_partitions=spec["partitions"],

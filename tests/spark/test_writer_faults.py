@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pytest
 
-from reliable_kafka.errors import PartitionWriteFailed, TransactionFenced
+from reliable_kafka.errors import TransactionFenced
 from reliable_kafka.spark import read_kafka, write_kafka
 from reliable_kafka.spark.faults import fail_attempts
 from reliable_kafka.spark.options import reader_options, writer_options
@@ -122,9 +122,10 @@ def _batches(values: list[bytes], size: int = 100) -> list[pa.RecordBatch]:
             for i in range(0, len(values), size)]
 
 
-def _race(options, batches: list[pa.RecordBatch]) -> dict[int, object]:
-    """Attempt 0 writes half its rows and stalls; attempt 1 (the speculative copy) runs to the end; then
-    attempt 0 goes on. Returns each attempt's PartitionCommit or exception."""
+def _race(options, batches: list[pa.RecordBatch], copy: Iterator[pa.RecordBatch] | None = None) -> dict[int, object]:
+    """Attempt 0 writes half its rows and stalls; attempt 1 (the speculative copy) runs to its end (`copy`:
+    its input, by default the same rows); then attempt 0 goes on. Returns each attempt's PartitionCommit or
+    exception."""
     stalled, resume = threading.Event(), threading.Event()
     results: dict[int, object] = {}
 
@@ -144,29 +145,68 @@ def _race(options, batches: list[pa.RecordBatch]) -> dict[int, object]:
     first = threading.Thread(target=run, args=(0, slow()))
     first.start()
     assert stalled.wait(60)
-    run(1, iter(batches))
+    run(1, copy if copy is not None else iter(batches))
     resume.set()
     first.join(90)
     assert not first.is_alive()
     return results
 
 
-def test_concurrent_attempts_exactly_once_the_older_is_fenced(kafka, make_topic) -> None:
+def _exactly_once_options(kafka, topic: str, write_id: str, **extra: str):
+    return writer_options({
+        "kafka.bootstrap.servers": kafka.bootstrap_servers, "topic": topic, "guarantee": "exactly_once",
+        "write_id": write_id, "chunkRows": "300", "numPartitions": "1", **extra,
+    })
+
+
+def test_concurrent_attempts_exactly_once_the_older_is_fenced_and_ends_with_the_copys_outcome(
+        kafka, make_topic) -> None:
     topic = make_topic(partitions=2)
     write_id = f"spec-{uuid.uuid4().hex[:8]}"
     values = [f"{write_id}-{i:05d}".encode() for i in range(1_000)]
-    options = writer_options({
-        "kafka.bootstrap.servers": kafka.bootstrap_servers, "topic": topic, "guarantee": "exactly_once",
-        "write_id": write_id, "chunkRows": "300", "numPartitions": "1",
-    })
+    options = _exactly_once_options(kafka, topic, write_id)
     assert prepare_write(options) is None
 
     results = _race(options, _batches(values))
 
     assert isinstance(results[1], PartitionCommit), results[1]
-    assert isinstance(results[0], (TransactionFenced, PartitionWriteFailed)), results[0]
     assert results[1].resumed_from == 300, "the copy resumed after the chunk the stalled attempt committed"
-    complete_write(options, [results[1]], None)
+    # The fenced attempt does not fail (Spark would count that against spark.task.maxFailures): it ends
+    # with the copy's outcome, having checked that its own input is the same.
+    older = results[0]
+    assert isinstance(older, PartitionCommit), older
+    assert (older.attempt, older.rows, older.rows_written, older.fingerprint, older.chunks) == (
+        0, 1_000, 300, results[1].fingerprint, results[1].chunks)
+    complete_write(options, [older], None)  # Spark may keep either success: the older one's is as good
+    v = verdict(values, [m.value() for m in read_back(kafka.bootstrap_servers, topic)])
+    assert (v.acked, v.lost, v.duplicates) == (1_000, 0, 0), v
+    # The fence bit: the stalled attempt's open chunk was aborted in the log.
+    raw = read_back(kafka.bootstrap_servers, topic, isolation_level="read_uncommitted")
+    assert len(raw) > 1_000, "the stalled attempt had no open transaction for the copy to fence"
+
+
+def test_a_fenced_attempt_whose_copy_died_gives_up_with_the_fence_and_a_retry_finishes(kafka, make_topic) -> None:
+    topic = make_topic(partitions=2)
+    write_id = f"spec-{uuid.uuid4().hex[:8]}"
+    values = [f"{write_id}-{i:05d}".encode() for i in range(1_000)]
+    # The shortest transaction timeout: how long a fenced attempt waits for a marker that stopped moving.
+    options = _exactly_once_options(kafka, topic, write_id, transactionTimeoutMs="10000", chunkSeconds="3")
+    assert prepare_write(options) is None
+    batches = _batches(values)
+
+    def dies_after_a_chunk() -> Iterator[pa.RecordBatch]:
+        yield from batches[:7]  # one 300-row chunk past the 300 the stalled attempt committed
+        raise RuntimeError("the copy's executor was lost")
+
+    results = _race(options, batches, copy=dies_after_a_chunk())
+
+    assert isinstance(results[1], RuntimeError), results[1]
+    # The fenced attempt waited for an outcome that never came (the marker stood still at the copy's
+    # chunk), then failed with the fence: Spark's retry of the task takes over.
+    assert isinstance(results[0], TransactionFenced), results[0]
+    retry = write_partition(options, iter(batches), partition=0, attempt=2)
+    assert retry.resumed_from == 600, retry
+    complete_write(options, [retry], None)
     v = verdict(values, [m.value() for m in read_back(kafka.bootstrap_servers, topic)])
     assert (v.acked, v.lost, v.duplicates) == (1_000, 0, 0), v
 

@@ -1,4 +1,5 @@
-"""A fenced exactly_once Spark task reports TransactionFenced, also when produce() only says _FATAL.
+"""A fenced exactly_once Spark task reports TransactionFenced, also when produce() only says _FATAL (once no
+newer attempt's outcome came to end it with: tests/spark/test_writer_faults.py has both endings for real).
 
 A producer fenced by a newer attempt of its partition answers a later produce() with "Local: Fatal error";
 the fence is named only by the producer's fatal error, which confluent-kafka raises once from poll()
@@ -44,6 +45,7 @@ def test_fatal_error_keeps_the_fatal_error_poll_raises() -> None:
     assert kafka_errors.FatalError().seen(_RaisesOnPoll(KafkaError(KafkaError._TRANSPORT))) is None
 
 
+@pytest.mark.waits  # 10 s: the fenced attempt's wait for a newer attempt that never comes
 def test_a_fenced_task_whose_produce_says_fatal_error_raises_transaction_fenced() -> None:
     with MockCluster(brokers=3) as mock:
         mock.create_topic("rows", partitions=1)
@@ -51,6 +53,9 @@ def test_a_fenced_task_whose_produce_says_fatal_error_raises_transaction_fenced(
         options = writer_options({
             "kafka.bootstrap.servers": mock.bootstrap_servers, "topic": "rows", "guarantee": "exactly_once",
             "write_id": "fenced", "markerTopic": "markers",
+            # A fenced attempt waits for the newer attempt's outcome until the marker has not moved for the
+            # transaction timeout; here no newer attempt exists, so the shortest timeout ends the wait.
+            "transactionTimeoutMs": "10000", "chunkSeconds": "3",
         })
         options = dataclasses.replace(options, kafka={**options.kafka, "linger.ms": "0"})
         # The broker's answer to a producer whose epoch a newer attempt bumped.
