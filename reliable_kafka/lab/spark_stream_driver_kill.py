@@ -123,8 +123,9 @@ class StreamDriver:
         tmp.mkdir()
         env = child_env(connection)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
-        # Spark's scratch space (block manager, shuffle, temp files) inside the work directory: a SIGKILLed
-        # JVM runs no shutdown hook, and would leave its directories in /tmp on every kill.
+        # Spark's scratch space (block manager, shuffle) and the driver's temp files (the JVM's too, see the
+        # program) inside the work directory: a SIGKILLed JVM runs no shutdown hook, and would leave its
+        # directories in /tmp on every kill.
         env["SPARK_LOCAL_DIRS"] = str(workdir / "spark-local")
         env["TMPDIR"] = str(tmp)
         self._env = env

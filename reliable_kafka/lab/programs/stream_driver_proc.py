@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,9 +92,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     connection = connection_from_env(args.bootstrap)
     from reliable_kafka.spark.local import local_session
 
+    # A SIGKILLed JVM runs no shutdown hook, so the temp directories it made stay behind: they go where
+    # TMPDIR says (the lab gives each driver its work directory), not to /tmp.
+    java_options = f'{DRIVER_JAVA_OPTIONS} -Djava.io.tmpdir="{tempfile.gettempdir()}"'
     spark = local_session(app_name=f"reliable-kafka-lab-stream-{args.mode}",
                           with_kafka_connector=args.mode == CONTROL_MODE,
-                          conf={"spark.driver.extraJavaOptions": DRIVER_JAVA_OPTIONS})
+                          conf={"spark.driver.extraJavaOptions": java_options})
     try:
         query = _query(spark, args, connection)
         log.info("%s query %s started (run %s) on %s -> %s, checkpoint %s, %s", args.mode, query.id, query.runId,
