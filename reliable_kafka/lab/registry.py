@@ -19,6 +19,7 @@ _SOURCES = [
     ("reliable_kafka.lab.service_crash", "SCENARIO"),
     ("reliable_kafka.lab.eos_copier_bounce", "SCENARIO"),
     ("reliable_kafka.lab.spark_task_retry", "SCENARIO"),
+    ("reliable_kafka.lab.spark_stream_driver_kill", "SCENARIO"),
 ]
 
 

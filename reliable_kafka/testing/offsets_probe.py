@@ -71,6 +71,18 @@ class OffsetsProbe:
             # Asked while a broker is being bounced too: a request cut off by the kill is asked again.
             return retry_kafka_call(ends, deadline_s=self._deadline_s, what=f"end offsets of {topic}")
 
+    def high_watermarks(self, topic: str) -> dict[int, int]:
+        """Per partition of `topic`, its high watermark: every record written there, records of open and
+        aborted transactions and transaction markers included (a gate's look at whether a writer has begun)."""
+        with self._lock:
+            client = self._client(_READ_UNCOMMITTED)
+
+            def highs() -> dict[int, int]:
+                return {p: self._end(client, topic, p, self._timeout_s)
+                        for p in self._partitions(client, topic, self._timeout_s)}
+
+            return retry_kafka_call(highs, deadline_s=self._deadline_s, what=f"high watermarks of {topic}")
+
     def committed(self, group: str, topic: str, partitions: list[int]) -> dict[int, int]:
         """Per partition, the offset `group` committed on `topic` (0 where it committed none)."""
         with self._lock:

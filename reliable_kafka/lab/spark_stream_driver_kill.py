@@ -1,0 +1,379 @@
+"""Lab scenario `spark-stream-driver-kill` (failure mode L9, streaming): the driver of a Kafka -> Spark
+Structured Streaming -> Kafka pipeline is SIGKILLed 3 times mid-stream and restarted from its checkpoint.
+
+The driver is a process of its own (lab.programs.stream_driver_proc: one local Spark session, its JVM and
+Python workers its children). Each kill is gated on what the checkpoint and the output topic show, never
+on a sleep: a micro-batch has committed since the driver's restart, the next one is planned (its offsets
+are in `offsets/`), its output has begun (the output topic grew since the last commit) and Spark has not
+committed it (no file in `commits/` yet), and input remains beyond it. The restarted driver replays that
+micro-batch. Spark's own Kafka sink (the control, with Spark's own source) writes the replayed records a
+second time; reliable_kafka's source and exactly_once sink write each record once. After the third kill the
+feed stops and a last driver run with Trigger.AvailableNow reads the rest; an independent read_committed
+reader counts what was lost and duplicated against what the feeder's acks=all producer got acknowledged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Producer
+
+from reliable_kafka.backpressure import produce_when_room
+from reliable_kafka.lab.base import CONTROL, RELIABLE, Progress, Scenario, ScenarioResult
+from reliable_kafka.lab.common import count, read_back, topic_name
+from reliable_kafka.lab.programs.stream_driver_proc import CONTROL_MODE, RELIABLE_MODE
+from reliable_kafka.testing.child_connection import Connection, child_env
+from reliable_kafka.testing.cluster import LocalKafkaCluster
+from reliable_kafka.testing.gates import Feeder, fire_when
+from reliable_kafka.testing.offsets_probe import OffsetsProbe
+
+log = logging.getLogger(__name__)
+
+NAME = "spark-stream-driver-kill"
+KILLS = 3
+PARTITIONS = 2  # input and output: one Spark task per input partition, for local[2]'s two cores
+MAX_OFFSETS_PER_TRIGGER = 1_000
+# The input holds FIRST_FEED records before the first driver starts; the feeder adds TOP_UP whenever fewer
+# than LOW_WATER are left unplanned, until the last kill: no driver can run dry before its kill.
+FIRST_FEED = 20_000
+TOP_UP = 5_000
+LOW_WATER = 5_000
+# Bounds of every wait: a gate's (per attempt, re-armed by a top-up), a killed driver's descendants', the
+# last run's (it gives up when no micro-batch commits for STALL_S).
+GATE_TIMEOUT_S = 90.0
+GATE_ATTEMPTS = 4
+REAP_TIMEOUT_S = 15.0
+FINAL_TIMEOUT_S = 600.0
+STALL_S = 120.0
+# Where the driver's code lives, so a child started from the work directory imports this same copy of it.
+_PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+# ---- the driver process ------------------------------------------------------------------------
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes (not zombies) of session `sid` (Linux /proc): a driver started in a session of its
+    own and everything it started, pyspark's worker daemon too, which leaves the driver's process group
+    (it calls setpgid) but not its session."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone since the listing
+        fields = stat.rpartition(")")[2].split()  # after "(comm)": state, ppid, pgrp, session, ...
+        if len(fields) > 3 and fields[0] != "Z" and int(fields[3]) == sid:
+            found.append(int(entry.name))
+    return found
+
+
+def kill_session(proc: subprocess.Popen[Any], timeout_s: float = REAP_TIMEOUT_S) -> None:
+    """SIGKILL `proc`, started with start_new_session=True, and every process of its session: its process
+    group first (a driver and its JVM), then what left the group but not the session (pyspark's worker
+    daemon and its workers). Returns once none is alive; raises if one outlives `timeout_s`.
+
+    A `proc` already reaped (it exited by itself) is not signalled: its pid may be another's by now, and
+    what it started ends with it (Spark's JVM when the driver's gateway pipe closes, the workers with it).
+    Until `proc` is reaped its pid, and so its session's id, stays ours: the sweep runs before the reaping.
+    """
+    if proc.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
+        os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    # The leader, killed and not yet reaped, is a zombie: session_members() leaves it out.
+    while members := session_members(proc.pid):
+        if time.monotonic() > deadline:
+            proc.wait()
+            raise RuntimeError(f"processes {members} of session {proc.pid} outlived its SIGKILL by {timeout_s:.0f}s")
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):  # died since the look
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    proc.wait()
+
+
+class StreamDriver:
+    """Starts the stream driver program in a session of its own, SIGKILLs it with everything it started,
+    and starts it again on the same checkpoint. Only that session's processes are ever signalled."""
+
+    def __init__(self, mode: str, connection: Connection, input_topic: str, output_topic: str,
+                 workdir: Path) -> None:
+        self.mode = mode
+        self.workdir = workdir
+        self.checkpoint = workdir / "checkpoint"
+        self._args = ["--mode", mode, "--input", input_topic, "--output", output_topic,
+                      "--checkpoint", str(self.checkpoint), "--max-offsets-per-trigger", str(MAX_OFFSETS_PER_TRIGGER)]
+        tmp = workdir / "tmp"
+        tmp.mkdir()
+        env = child_env(connection)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+        # Spark's scratch space (block manager, shuffle) and the driver's temp files (the JVM's too, see the
+        # program) inside the work directory: a SIGKILLed JVM runs no shutdown hook, and would leave its
+        # directories in /tmp on every kill.
+        env["SPARK_LOCAL_DIRS"] = str(workdir / "spark-local")
+        env["TMPDIR"] = str(tmp)
+        self._env = env
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.runs = 0
+
+    def start(self, *, available_now: bool = False) -> None:
+        self.runs += 1
+        args = [*self._args, "--available-now"] if available_now else self._args
+        with open(self._stdout(self.runs), "wb") as out:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "reliable_kafka.lab.programs.stream_driver_proc", *args],
+                env=self._env, cwd=self.workdir, stdout=out, stderr=None,
+                start_new_session=True)  # its own session and process group: the kill reaches its JVM, nothing else
+        log.info("%s stream driver run %d: pid %d%s", self.mode, self.runs, self._proc.pid,
+                 " (available now)" if available_now else "")
+
+    def _stdout(self, run: int) -> Path:
+        return self.workdir / f"driver-{run}.out"
+
+    def exit_code(self) -> int | None:
+        """None while the current run is alive."""
+        return None if self._proc is None else self._proc.poll()
+
+    def kill(self) -> None:
+        """SIGKILL the driver with everything it started: no shutdown hook, no commit, nothing lingers."""
+        if self._proc is not None:
+            kill_session(self._proc)
+
+    def wait_finished(self, checkpoint: Checkpoint) -> dict[str, Any]:
+        """Wait for an available-now run to exit 0 and return its JSON line. Bounded by FINAL_TIMEOUT_S and
+        gated on progress: it gives up (killing the run) when no micro-batch committed for STALL_S."""
+        proc = self._proc
+        assert proc is not None
+        deadline = time.monotonic() + FINAL_TIMEOUT_S
+        last, moved = checkpoint.latest_commit(), time.monotonic()
+        while proc.poll() is None:
+            now = time.monotonic()
+            if (latest := checkpoint.latest_commit()) != last:
+                last, moved = latest, now
+            if now > deadline or now - moved > STALL_S:
+                self.kill()
+                raise RuntimeError(f"the {self.mode} driver's last run did not finish: last commit {last}, "
+                                   f"{now - moved:.0f}s without a new one")
+            time.sleep(0.5)
+        lines = [line for line in self._stdout(self.runs).read_text().splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"the {self.mode} driver's last run exited {proc.returncode} (its log is in the "
+                               "run log)")
+        result: dict[str, Any] = json.loads(lines[-1])
+        return result
+
+
+# ---- what the checkpoint shows -----------------------------------------------------------------
+
+
+class Checkpoint:
+    """A streaming query's checkpoint as Spark leaves it: `offsets/N` is written (atomically, by rename)
+    when micro-batch N is planned, `commits/N` once its output is written. A batch with offsets and no
+    commit is the one a restarted query runs again."""
+
+    def __init__(self, path: Path, input_topic: str) -> None:
+        self.path, self.input_topic = path, input_topic
+
+    def _batches(self, kind: str) -> list[int]:
+        try:
+            return sorted(int(p.name) for p in (self.path / kind).iterdir() if p.name.isdigit())
+        except FileNotFoundError:
+            return []
+
+    def latest_commit(self) -> int:
+        """The last micro-batch Spark committed (-1 before the first)."""
+        batches = self._batches("commits")
+        return batches[-1] if batches else -1
+
+    def committed(self, batch: int) -> bool:
+        return (self.path / "commits" / str(batch)).exists()
+
+    def planned_end(self, batch: int) -> int | None:
+        """The input offsets (summed over partitions) micro-batch `batch` reads up to; None if not planned.
+
+        The offsets file is "v1", the batch's metadata, then one line per source: Spark's Kafka source and
+        reliable_kafka's both write {"topic": {"partition": offset}}.
+        """
+        try:
+            lines = (self.path / "offsets" / str(batch)).read_text().splitlines()
+        except FileNotFoundError:
+            return None
+        for line in lines[2:]:
+            offsets = json.loads(line) if line.startswith("{") else {}
+            if self.input_topic in offsets:
+                return sum(int(o) for o in offsets[self.input_topic].values())
+        raise RuntimeError(f"offsets/{batch} of {self.path} names no offsets of {self.input_topic}: {lines!r}")
+
+    def latest_planned_end(self) -> int:
+        batches = self._batches("offsets")
+        end = self.planned_end(batches[-1]) if batches else None
+        return end or 0
+
+
+@dataclass(frozen=True)
+class Kill:
+    batch: int  # the micro-batch in flight at the kill
+    written: int  # offsets its output had taken in the output topic when the driver died
+    landed: bool  # Spark had not committed it: the restarted driver runs it again
+
+
+class InFlightGate:
+    """The moment a driver kill bites: a micro-batch is mid-write and not committed, input remains.
+
+    Ready when (1) a micro-batch committed since the driver's restart (so it made progress, and the batch
+    it replayed is done), (2) the next batch is planned, (3) input remains beyond it, (4) the output topic
+    grew past what it held when the last commit was seen (read after that commit appeared, so all of it is
+    output of committed batches or more: growth past it is the planned batch's output) and (5) Spark has not
+    committed that batch, looked at last, right before the kill.
+    """
+
+    def __init__(self, driver: StreamDriver, checkpoint: Checkpoint, probe: OffsetsProbe, input_topic: str,
+                 output_topic: str) -> None:
+        self._driver, self._checkpoint, self._probe = driver, checkpoint, probe
+        self._input, self._output = input_topic, output_topic
+        self._since = checkpoint.latest_commit()  # what the restarted driver found committed
+        self._commit = self._since
+        self._base = 0
+        self.batch = -1
+
+    def _output_total(self) -> int:
+        return sum(self._probe.high_watermarks(self._output).values())
+
+    def ready(self) -> bool:
+        if (code := self._driver.exit_code()) is not None:
+            raise RuntimeError(f"the {self._driver.mode} driver exited ({code}) before its kill")
+        latest = self._checkpoint.latest_commit()
+        if latest <= self._since:
+            return False
+        if latest != self._commit:
+            self._commit, self._base = latest, self._output_total()
+            return False
+        batch = latest + 1
+        end = self._checkpoint.planned_end(batch)
+        if end is None or sum(self._probe.end_offsets(self._input).values()) <= end:
+            return False
+        if self._output_total() <= self._base or self._checkpoint.committed(batch):
+            return False
+        self.batch = batch
+        return True
+
+    def kill(self) -> Kill:
+        self._driver.kill()
+        written = self._output_total() - self._base
+        kill = Kill(self.batch, written, landed=not self._checkpoint.committed(self.batch))
+        log.info("%s driver SIGKILLed with micro-batch %d in flight (%d output offsets written, %s)",
+                 self._driver.mode, kill.batch, kill.written,
+                 "not committed: it will be replayed" if kill.landed else "committed just before the kill")
+        return kill
+
+
+# ---- the feed ----------------------------------------------------------------------------------
+
+
+class Feed:
+    """The pipeline's input: unique values into `topic` from an acks=all idempotent producer; `acked` is
+    what its delivery reports confirmed, the set the output must hold exactly once."""
+
+    def __init__(self, connection: Connection, topic: str) -> None:
+        self.topic = topic
+        self.acked: list[bytes] = []
+        self._sent = 0
+        self._producer = Producer({**connection, "acks": "all", "enable.idempotence": True, "linger.ms": 5})
+        self._lock = threading.Lock()  # one chunk at a time: values numbered on from what was fed
+
+    def _delivered(self, err: Any, msg: Any) -> None:
+        if err is None:
+            self.acked.append(msg.value())
+        else:
+            log.warning("feed of %s: a record was not delivered: %s", self.topic, err)
+
+    def feed(self, n: int) -> None:
+        with self._lock:
+            for i in range(self._sent, self._sent + n):
+                produce_when_room(self._producer, self.topic, f"{self.topic}-{i:08d}".encode(),
+                                  on_delivery=self._delivered)
+            self._sent += n
+            if self._producer.flush(60):
+                raise RuntimeError(f"feeding {self.topic}: records still undelivered after 60s")
+
+
+# ---- the scenario ------------------------------------------------------------------------------
+
+
+def _pipeline(cluster: LocalKafkaCluster, client: str, mode: str, progress: Progress, at: float) -> ScenarioResult:
+    conn = cluster.client_config()
+    started = time.monotonic()
+    input_topic, output_topic = topic_name(NAME, f"{client}-in"), topic_name(NAME, client)
+    cluster.create_topic(input_topic, PARTITIONS)
+    cluster.create_topic(output_topic, PARTITIONS)
+    feed = Feed(conn, input_topic)
+    progress(f"{client}: feeding {FIRST_FEED} records", at)
+    feed.feed(FIRST_FEED)
+    kills: list[Kill] = []
+    with tempfile.TemporaryDirectory(prefix="rk-lab-stream-") as work, OffsetsProbe(conn) as probe:
+        driver = StreamDriver(mode, conn, input_topic, output_topic, Path(work))
+        checkpoint = Checkpoint(driver.checkpoint, input_topic)
+        feeder = Feeder(lambda: feed.feed(TOP_UP),
+                        lambda: sum(probe.end_offsets(input_topic).values()) - checkpoint.latest_planned_end(),
+                        low=LOW_WATER, poll_s=0.5, max_top_ups=40, max_seconds=900, name=f"{NAME}-{client}-feeder")
+        try:
+            driver.start()
+            feeder.start()
+            try:
+                for n in range(1, KILLS + 1):
+                    gate = InFlightGate(driver, checkpoint, probe, input_topic, output_topic)
+                    kills.append(fire_when(gate.ready, gate.kill, what=f"{client} driver SIGKILL {n} of {KILLS}",
+                                           rearm=feeder.top_up_now, attempts=GATE_ATTEMPTS, timeout_s=GATE_TIMEOUT_S,
+                                           poll_s=0.01))
+                    progress(f"{client}: driver SIGKILLed mid-batch ({n} of {KILLS})", at + 0.4 * n / (KILLS + 1))
+                    if n < KILLS:
+                        driver.start()
+            finally:
+                feeder.stop()  # what was fed is final: the last run reads all of it
+            progress(f"{client}: last driver run (available now, {len(feed.acked)} records fed)", at + 0.4)
+            driver.start(available_now=True)
+            last = driver.wait_finished(checkpoint)
+        finally:
+            driver.kill()
+    landed = [k for k in kills if k.landed]
+    detail = (f"{len(kills)} driver SIGKILLs with a micro-batch mid-write, {len(landed)} before Spark committed it "
+              f"(batches {', '.join(str(k.batch) for k in kills)}; {sum(k.written for k in landed)} output offsets "
+              f"of those batches written when killed); {driver.runs} driver runs, the last read {last['rows']} rows")
+    if client == RELIABLE:
+        everything = len(read_back(conn, output_topic, isolation_level="read_uncommitted"))
+        committed = len(read_back(conn, output_topic))
+        detail += f"; {everything - committed} records of aborted transactions hidden from read_committed"
+    return count(NAME, client, feed.acked, conn, output_topic, started, detail)
+
+
+def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
+    results = [_pipeline(cluster, CONTROL, CONTROL_MODE, progress, 0.0)]
+    results.append(_pipeline(cluster, RELIABLE, RELIABLE_MODE, progress, 0.5))
+    progress("done", 1.0)
+    return results
+
+
+SCENARIO = Scenario(
+    name=NAME,
+    description="L9 Spark streaming driver kill: a Kafka -> Structured Streaming -> Kafka driver is SIGKILLed 3 "
+    "times mid-batch and restarted from its checkpoint: Spark's Kafka source and sink duplicate the replayed "
+    "batch, reliable_kafka's source and exactly_once sink write each record once",
+    run=run,
+    needs=("spark",),
+)
