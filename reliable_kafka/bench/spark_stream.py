@@ -135,11 +135,13 @@ def run_spark_stream_bench(
     create_topic: Callable[[str, int], None],
     *,
     rounds: int = 3,
+    max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER,
 ) -> list[dict[str, Any]]:
     """Measure Spark's Kafka source + sink, our at_least_once and our exactly_once source + sink on `rows` rows.
 
     Returns one row per variant (records/s in msgs_per_s, the median of `rounds`; the baseline has ratio
-    1.0) and, for context, Spark's source + sink with our writer's batching. Spark's connector logs in with
+    1.0) and, for context, Spark's source + sink with our writer's batching. `max_offsets_per_trigger` is
+    every variant's maxOffsetsPerTrigger. Spark's connector logs in with
     the same settings, translated by java_kafka_options(): every variant takes the same cluster path.
     """
     bootstrap_servers = str(connection["bootstrap.servers"])
@@ -169,7 +171,7 @@ def run_spark_stream_bench(
             def start(topic_in: str, topic_out: str, checkpoint: str) -> Any:
                 stream = (spark.readStream.format("kafka").options(**java).option("subscribe", topic_in)
                           .option("startingOffsets", "earliest")
-                          .option("maxOffsetsPerTrigger", str(MAX_OFFSETS_PER_TRIGGER))
+                          .option("maxOffsetsPerTrigger", str(max_offsets_per_trigger))
                           .option("kafka.isolation.level", "read_committed").load())
                 return (stream.select("key", "value").writeStream.format("kafka").options(**java)
                         .option("kafka.acks", "all").option("kafka.enable.idempotence", "true")
@@ -185,7 +187,7 @@ def run_spark_stream_bench(
                 stream = (spark.readStream.format("reliable_kafka")
                           .option("kafka.bootstrap.servers", bootstrap_servers).options(**login)
                           .option("subscribe", topic_in).option("startingOffsets", "earliest")
-                          .option("maxOffsetsPerTrigger", str(MAX_OFFSETS_PER_TRIGGER)).load())
+                          .option("maxOffsetsPerTrigger", str(max_offsets_per_trigger)).load())
                 return (stream.select("key", "value").writeStream.format("reliable_kafka")
                         .option("kafka.bootstrap.servers", bootstrap_servers).options(**login)
                         .option("topic", topic_out).option("guarantee", guarantee)
@@ -250,6 +252,6 @@ def run_spark_stream_bench(
         # Every run's timing breakdown beside its rate, in round order.
         detail = {key: [round(r[key], 2) for r in runs[row.variant]]
                   for key in ("seconds", "add_batch_s", "trigger_s", "micro_batches")}
-        rows_out.append(replace(row, extra={**row.extra, "max_offsets_per_trigger": MAX_OFFSETS_PER_TRIGGER,
+        rows_out.append(replace(row, extra={**row.extra, "max_offsets_per_trigger": max_offsets_per_trigger,
                                             **{f"{k}_runs": v for k, v in detail.items()}}).as_json())
     return rows_out

@@ -176,13 +176,15 @@ def _brokers(conf: dict[str, Any]) -> tuple[LocalKafkaCluster | None, bool]:
 @click.option("--repeat", type=click.IntRange(1, 9), default=3, show_default=True,
               help="Interleaved rounds (A B C, A B C, ...) after a warm-up; each variant's median is reported, "
                    "with its spread and every run in the JSON.")
+@click.option("--max-offsets-per-trigger", "max_offsets_per_trigger", type=click.IntRange(min=1000), default=None,
+              metavar="N", help="spark-stream: every variant's maxOffsetsPerTrigger (default: 100,000).")
 @click.option("--json", "json_path", default=None, metavar="PATH")
 @click.option("--plot", "plot_path", default=None, metavar="PATH", help="Write a PNG chart of the ratios.")
 @click.option("--from-json", "from_json", multiple=True, type=click.Path(exists=True, dir_okay=False),
               metavar="PATH", help="Run nothing: draw --plot (and the table) from the rows of earlier --json files.")
 def bench(which: str, messages: int | None, bootstrap_servers: str | None, config_file: Path | None,
-          overrides: tuple[str, ...], repeat: int, json_path: str | None, plot_path: str | None,
-          from_json: tuple[str, ...]) -> None:
+          overrides: tuple[str, ...], repeat: int, max_offsets_per_trigger: int | None, json_path: str | None,
+          plot_path: str | None, from_json: tuple[str, ...]) -> None:
     """Measure producer, producer-calls, consumer, eos, dedup, spark and spark-stream variants against their
     baselines (spark-stream: Structured Streaming Kafka to Kafka, our source and sink against Spark's own)."""
     check_writable(json_path)
@@ -193,6 +195,8 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, confi
     if from_json:
         _redraw(from_json, plot_path)
         return
+    if max_offsets_per_trigger is not None and which not in ("spark-stream", "all"):
+        raise click.UsageError("--max-offsets-per-trigger is an option of bench spark-stream")
     if which in SPARK_BENCHES and missing_modules("spark"):
         # Said before a cluster starts; `all` goes on without them (each says it failed, and why).
         raise click.UsageError(f"bench {which} needs the spark extra ({missing_modules('spark')[0]}): "
@@ -234,7 +238,9 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, confi
                         elif b == "spark-stream":
                             progress("spark-stream")
                             rows += _external("reliable_kafka.bench.spark_stream", "run_spark_stream_bench", conf,
-                                              n, create, rounds=repeat)
+                                              n, create, rounds=repeat,
+                                              **({} if max_offsets_per_trigger is None
+                                                 else {"max_offsets_per_trigger": max_offsets_per_trigger}))
                     except (ReliableKafkaError, RuntimeError, ModuleNotFoundError) as exc:
                         # A worker's stderr or a client's error may quote a setting: never a secret.
                         why = redact(str(exc), conf)

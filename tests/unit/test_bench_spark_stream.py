@@ -20,6 +20,8 @@ def test_spark_stream_is_offered_and_bad_input_is_refused_before_any_run(monkeyp
     assert few.exit_code == 2 and "--messages" in few.output
     rounds = runner.invoke(cli, ["bench", "spark-stream", "--repeat", "0"])
     assert rounds.exit_code == 2 and "--repeat" in rounds.output
+    other = runner.invoke(cli, ["bench", "producer", "--max-offsets-per-trigger", "5000"])
+    assert other.exit_code == 2 and "an option of bench spark-stream" in other.output
     monkeypatch.setattr(bench_cli, "missing_modules", lambda extra: ["pyspark"] if extra == "spark" else [])
     no_spark = runner.invoke(cli, ["bench", "spark-stream"])
     assert no_spark.exit_code == 2 and "pip install 'reliable-kafka[spark]'" in no_spark.output
