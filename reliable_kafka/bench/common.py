@@ -13,7 +13,9 @@ import resource
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,6 +41,9 @@ TARGETS: dict[tuple[str, str], float] = {
     ("dedup", "redis"): 0.8,
     ("spark", "at_least_once"): 1.0,
     ("spark", "exactly_once"): 0.8,
+    # Structured Streaming Kafka -> Kafka, against Spark's own source + sink with the same batching.
+    ("spark-stream", "at_least_once"): 1.0,
+    ("spark-stream", "exactly_once"): 0.5,
 }
 
 
@@ -121,6 +126,36 @@ def target_of(row: BenchRow) -> float | None:
 def peak_rss_mb() -> float:
     """This process's peak resident set size (Linux reports kilobytes)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+@contextmanager
+def sampled_peak_rss_mb() -> Iterator[list[float]]:
+    """Peak resident memory of this process and its children (Spark's JVM, its Python workers), sampled
+    every 0.25 s while the block runs: for variants that run in this process (the Spark suites)."""
+    import psutil
+
+    peak = [0.0]
+    stop = threading.Event()
+    me = psutil.Process()
+
+    def sample() -> None:
+        while not stop.is_set():
+            total = 0
+            for proc in [me, *me.children(recursive=True)]:
+                try:
+                    total += proc.memory_info().rss
+                except psutil.Error:
+                    continue
+            peak[0] = max(peak[0], total / 1e6)
+            stop.wait(0.25)
+
+    thread = threading.Thread(target=sample, name="rk-bench-rss", daemon=True)
+    thread.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        thread.join()
 
 
 def run_variant(bench: str, variant: str, args: Sequence[str], connection: Connection,

@@ -7,15 +7,14 @@ with the same partition count; rounds are interleaved so load drift on the host 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
-from reliable_kafka.bench.common import Connection, rows_against
+from reliable_kafka.bench.common import Connection, rows_against, sampled_peak_rss_mb
 from reliable_kafka.spark.java_options import java_kafka_options
+from reliable_kafka.spark.options import _SPARK_PRODUCER_DEFAULTS
 
 log = logging.getLogger(__name__)
 
@@ -23,35 +22,14 @@ BASELINE = "spark_kafka_sink"
 VALUE_BYTES = 100
 SPARK_PARTITIONS = 4
 TOPIC_PARTITIONS = 4
+# Context rows run Spark's sink with the batching our writer uses by default (the Java client's own
+# defaults send 16 KB batches without lingering).
+OUR_WRITER_BATCHING = {f"kafka.{k}": str(_SPARK_PRODUCER_DEFAULTS[k]) for k in ("linger.ms", "batch.size")}
 
 
-@contextmanager
-def _peak_rss_mb() -> Iterator[list[float]]:
-    """Peak resident memory of this process and its children (Spark's JVM, its Python workers)."""
-    import psutil
-
-    peak = [0.0]
-    stop = threading.Event()
-    me = psutil.Process()
-
-    def sample() -> None:
-        while not stop.is_set():
-            total = 0
-            for proc in [me, *me.children(recursive=True)]:
-                try:
-                    total += proc.memory_info().rss
-                except psutil.Error:
-                    continue
-            peak[0] = max(peak[0], total / 1e6)
-            stop.wait(0.25)
-
-    thread = threading.Thread(target=sample, name="rk-bench-rss", daemon=True)
-    thread.start()
-    try:
-        yield peak
-    finally:
-        stop.set()
-        thread.join()
+def reliable_kafka_login(connection: Connection) -> dict[str, str]:
+    """The connection's settings other than the brokers, as `kafka.*` options of format("reliable_kafka")."""
+    return {f"kafka.{k}": str(v) for k, v in connection.items() if k != "bootstrap.servers"}
 
 
 def run_spark_bench(
@@ -69,7 +47,7 @@ def run_spark_bench(
     java_kafka_options(): both sides take the same cluster path, TLS and login included.
     """
     bootstrap_servers = str(connection["bootstrap.servers"])
-    login = {f"kafka.{k}": str(v) for k, v in connection.items() if k != "bootstrap.servers"}
+    login = reliable_kafka_login(connection)
     java = java_kafka_options(connection)  # refuses a login it cannot hand the Java client, before Spark starts
     from pyspark.sql import functions as F
 
@@ -102,9 +80,8 @@ def run_spark_bench(
             BASELINE: spark_sink(),
             "at_least_once": ours("at_least_once"),
             "exactly_once": ours("exactly_once"),
-            # Context, not a target: Spark's sink with the batching our writer uses by default (the
-            # Java client's own defaults send 16 KB batches without lingering).
-            f"{BASELINE}_batched": spark_sink(**{"kafka.linger.ms": "20", "kafka.batch.size": "1000000"}),
+            # Context, not a target: Spark's sink with our writer's batching.
+            f"{BASELINE}_batched": spark_sink(**OUR_WRITER_BATCHING),
         }
 
         def fresh_topic() -> str:
@@ -122,7 +99,7 @@ def run_spark_bench(
         for round_no in range(rounds):
             for name, write in variants.items():
                 topic = fresh_topic()
-                with _peak_rss_mb() as peak:
+                with sampled_peak_rss_mb() as peak:
                     started = time.perf_counter()
                     write(df, topic)
                     seconds = time.perf_counter() - started

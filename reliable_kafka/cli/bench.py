@@ -32,7 +32,8 @@ from reliable_kafka.testing.cluster import LocalKafkaCluster
 
 log = logging.getLogger(__name__)
 
-BENCHES = ("producer", "producer-calls", "consumer", "eos", "dedup", "spark")
+BENCHES = ("producer", "producer-calls", "consumer", "eos", "dedup", "spark", "spark-stream")
+SPARK_BENCHES = ("spark", "spark-stream")
 
 
 def _create_topic_fn(connection: Connection) -> Callable[[str, int], None]:
@@ -54,7 +55,7 @@ def _create_topic_fn(connection: Connection) -> Callable[[str, int], None]:
 
 
 def _external(module: str, function: str, *args: Any, **kwargs: Any) -> list[BenchRow]:
-    """The eos and spark suites return plain dict rows; they need optional parts."""
+    """The eos, spark and spark-stream suites return plain dict rows; they need optional parts."""
     fn = getattr(importlib.import_module(module), function)
     return [BenchRow.from_json(r) for r in fn(*args, **kwargs)]
 
@@ -169,20 +170,23 @@ def _brokers(conf: dict[str, Any]) -> tuple[LocalKafkaCluster | None, bool]:
 @click.command("bench")
 @click.argument("which", type=click.Choice([*BENCHES, "all"]), default="all")
 @click.option("--messages", type=click.IntRange(min=1000), default=None,
-              help="Messages per variant (default: 1,000,000; spark rows: the same).")
+              help="Messages per variant (default: 1,000,000; spark rows and spark-stream records: the same).")
 @connection_options("Benchmark against these brokers (default: the running `reliable-kafka cluster`, else a "
                     "local cluster started for the run).")
 @click.option("--repeat", type=click.IntRange(1, 9), default=3, show_default=True,
               help="Interleaved rounds (A B C, A B C, ...) after a warm-up; each variant's median is reported, "
                    "with its spread and every run in the JSON.")
+@click.option("--max-offsets-per-trigger", "max_offsets_per_trigger", type=click.IntRange(min=1000), default=None,
+              metavar="N", help="spark-stream: every variant's maxOffsetsPerTrigger (default: 100,000).")
 @click.option("--json", "json_path", default=None, metavar="PATH")
 @click.option("--plot", "plot_path", default=None, metavar="PATH", help="Write a PNG chart of the ratios.")
 @click.option("--from-json", "from_json", multiple=True, type=click.Path(exists=True, dir_okay=False),
               metavar="PATH", help="Run nothing: draw --plot (and the table) from the rows of earlier --json files.")
 def bench(which: str, messages: int | None, bootstrap_servers: str | None, config_file: Path | None,
-          overrides: tuple[str, ...], repeat: int, json_path: str | None, plot_path: str | None,
-          from_json: tuple[str, ...]) -> None:
-    """Measure producer, producer-calls, consumer, eos, dedup and spark variants against their baselines."""
+          overrides: tuple[str, ...], repeat: int, max_offsets_per_trigger: int | None, json_path: str | None,
+          plot_path: str | None, from_json: tuple[str, ...]) -> None:
+    """Measure producer, producer-calls, consumer, eos, dedup, spark and spark-stream variants against their
+    baselines (spark-stream: Structured Streaming Kafka to Kafka, our source and sink against Spark's own)."""
     check_writable(json_path)
     check_writable(plot_path)
     if plot_path is not None and missing_modules("plot"):
@@ -191,6 +195,12 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, confi
     if from_json:
         _redraw(from_json, plot_path)
         return
+    if max_offsets_per_trigger is not None and which not in ("spark-stream", "all"):
+        raise click.UsageError("--max-offsets-per-trigger is an option of bench spark-stream")
+    if which in SPARK_BENCHES and missing_modules("spark"):
+        # Said before a cluster starts; `all` goes on without them (each says it failed, and why).
+        raise click.UsageError(f"bench {which} needs the spark extra ({missing_modules('spark')[0]}): "
+                               "pip install 'reliable-kafka[spark]'")
     conf = connection_config(bootstrap_servers, config_file, overrides) or {}
     n = messages or 1_000_000
     chosen = list(BENCHES) if which == "all" else [which]
@@ -225,6 +235,12 @@ def bench(which: str, messages: int | None, bootstrap_servers: str | None, confi
                             progress("spark")
                             rows += _external("reliable_kafka.bench.spark", "run_spark_bench", conf, n, create,
                                               rounds=repeat)
+                        elif b == "spark-stream":
+                            progress("spark-stream")
+                            rows += _external("reliable_kafka.bench.spark_stream", "run_spark_stream_bench", conf,
+                                              n, create, rounds=repeat,
+                                              **({} if max_offsets_per_trigger is None
+                                                 else {"max_offsets_per_trigger": max_offsets_per_trigger}))
                     except (ReliableKafkaError, RuntimeError, ModuleNotFoundError) as exc:
                         # A worker's stderr or a client's error may quote a setting: never a secret.
                         why = redact(str(exc), conf)
