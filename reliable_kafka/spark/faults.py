@@ -86,14 +86,11 @@ def slow_attempts(
     seconds_per_batch: float,
     attempts: tuple[int, ...] | None = (0,),
     partitions: tuple[int, ...] | None = None,
-    after_batches: int = 0,
 ) -> DataFrame:
-    """`df` whose chosen task attempts wait `seconds_per_batch` before passing each Arrow batch on, from
-    batch number `after_batches` on (the ones before pass at once).
+    """`df` whose chosen task attempts wait `seconds_per_batch` before passing each Arrow batch on.
 
     Makes a partition take long enough to be caught mid-write (a fault gated on its progress), or
-    makes one attempt a straggler that speculation runs a copy of (attempts=(0,): the copy is fast);
-    with `after_batches`, a straggler that is already writing when the copy starts.
+    makes one attempt a straggler that speculation runs a copy of (attempts=(0,): the copy is fast).
     """
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -102,8 +99,8 @@ def slow_attempts(
         chosen = (attempts is None or context.attemptNumber() in attempts) and (
             partitions is None or context.partitionId() in partitions
         )
-        for n, batch in enumerate(batches):
-            if chosen and n >= after_batches:
+        for batch in batches:
+            if chosen:
                 time.sleep(seconds_per_batch)
             yield batch
 

@@ -84,8 +84,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         for slow in spec.get("slow", []):
             df = slow_attempts(df, seconds_per_batch=slow["seconds_per_batch"],
                                attempts=tuple(slow["attempts"]) if slow.get("attempts") is not None else None,
-                               partitions=tuple(slow["partitions"]) if slow.get("partitions") is not None else None,
-                               after_batches=slow.get("after_batches", 0))
+                               partitions=tuple(slow["partitions"]) if slow.get("partitions") is not None else None)
         spark.sparkContext.setJobGroup("write", "the write under test")
         result = write_kafka(df, spec["bootstrap"], spec["topic"], guarantee="exactly_once",
                              write_id=spec["write_id"], num_partitions=spec["partitions"],
