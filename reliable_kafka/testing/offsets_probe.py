@@ -61,27 +61,24 @@ class OffsetsProbe:
     def end_offsets(self, topic: str) -> dict[int, int]:
         """Per partition of `topic`, its last stable offset: the first offset of the oldest transaction still
         open there, else the high watermark."""
+        return self._ends(topic, _READ_COMMITTED, "end offsets")
+
+    def high_watermarks(self, topic: str) -> dict[int, int]:
+        """Per partition of `topic`, its high watermark: every record written there, records of open and
+        aborted transactions and transaction markers included (a gate's look at whether a writer has begun)."""
+        return self._ends(topic, _READ_UNCOMMITTED, "high watermarks")
+
+    def _ends(self, topic: str, isolation: str, what: str) -> dict[int, int]:
+        """Per partition of `topic`, its end as a client of `isolation` sees it."""
         with self._lock:
-            client = self._client(_READ_COMMITTED)
+            client = self._client(isolation)
 
             def ends() -> dict[int, int]:
                 return {p: self._end(client, topic, p, self._timeout_s)
                         for p in self._partitions(client, topic, self._timeout_s)}
 
             # Asked while a broker is being bounced too: a request cut off by the kill is asked again.
-            return retry_kafka_call(ends, deadline_s=self._deadline_s, what=f"end offsets of {topic}")
-
-    def high_watermarks(self, topic: str) -> dict[int, int]:
-        """Per partition of `topic`, its high watermark: every record written there, records of open and
-        aborted transactions and transaction markers included (a gate's look at whether a writer has begun)."""
-        with self._lock:
-            client = self._client(_READ_UNCOMMITTED)
-
-            def highs() -> dict[int, int]:
-                return {p: self._end(client, topic, p, self._timeout_s)
-                        for p in self._partitions(client, topic, self._timeout_s)}
-
-            return retry_kafka_call(highs, deadline_s=self._deadline_s, what=f"high watermarks of {topic}")
+            return retry_kafka_call(ends, deadline_s=self._deadline_s, what=f"{what} of {topic}")
 
     def committed(self, group: str, topic: str, partitions: list[int]) -> dict[int, int]:
         """Per partition, the offset `group` committed on `topic` (0 where it committed none)."""
