@@ -170,6 +170,8 @@ class LocalSparkCluster:
                     return
             except OSError as exc:  # the Master's UI is not listening yet
                 last = exc
+            except ValueError as exc:  # not JSON yet: on a loaded host the UI once answered an HTML page first
+                last = exc
             time.sleep(0.2)
         raise ClusterError(f"Spark workers not all registered with {self.master_url} within {timeout:.0f}s"
                            + (f" (last error: {last})" if last else "") + "; master log:\n" + self.logs("master", 40))
