@@ -106,3 +106,52 @@ def is_tail_helper(worker_id: str) -> bool:
 def only_unit_tier(units: Any) -> bool:
     """Whether every unit still to hand out is a unit-tier one (none needs a cluster or Spark)."""
     return all(unit.startswith("tests/unit/") for unit in units)
+
+
+class _WorkerTimeline:
+    """Per worker: how long it ran tests and when it ran out of them. The suite's wall time is the last
+    worker's end; a worker that ends long before it is a core the scheduling left idle (printed at the
+    end of every distributed run, so each CI log says where the suite's minutes went)."""
+
+    def __init__(self) -> None:
+        self.busy: dict[str, float] = {}
+        self.tests: dict[str, int] = {}
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+
+    def add(self, report: pytest.TestReport) -> None:
+        node = getattr(report, "node", None)
+        if node is None:
+            return  # not a distributed run
+        worker = node.gateway.id
+        self.busy[worker] = self.busy.get(worker, 0.0) + report.duration
+        if report.when == "call":
+            self.tests[worker] = self.tests.get(worker, 0) + 1
+        self.first[worker] = min(self.first.get(worker, report.start), report.start)
+        self.last[worker] = max(self.last.get(worker, report.stop), report.stop)
+
+    def lines(self) -> list[str]:
+        if not self.busy:
+            return []
+        start = min(self.first.values())
+        end = max(self.last.values())
+        return [
+            f"{w}: {self.tests.get(w, 0)} tests, {self.busy[w]:.0f} s in tests, from {self.first[w] - start:.0f} s "
+            f"to {self.last[w] - start:.0f} s (idle for the last {end - self.last[w]:.0f} s)"
+            for w in sorted(self.busy)
+        ]
+
+
+_timeline = _WorkerTimeline()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _timeline.add(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    lines = _timeline.lines()
+    if lines:
+        terminalreporter.section("workers")
+        for line in lines:
+            terminalreporter.write_line(line)

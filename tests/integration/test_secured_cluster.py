@@ -1,7 +1,8 @@
 """LocalKafkaCluster(security="sasl-scram+tls"): real SASL/SCRAM-SHA-512 over TLS and real ACLs (Kafka's
 StandardAuthorizer) on the real jars (SASL/PLAIN: tests/integration/test_cli_secured.py). A wrong password
 is refused as such, a principal without ACLs sees and writes nothing, and what it sent is delivered once
-it is granted Describe and Write."""
+it is granted Describe and Write. The loss lab's producer crash runs on the same cluster: its verdict holds
+there as on the open cluster."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from reliable_kafka import (
 )
 from reliable_kafka.admin import admin_client
 from reliable_kafka.doctor import diagnose
+from reliable_kafka.lab.base import CONTROL, RELIABLE, no_progress
+from reliable_kafka.lab.producer_scenarios import producer_crash
 from reliable_kafka.testing import LocalKafkaCluster
 from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS, consume_all
 from tests.fixtures.kafka import _require_kafka
@@ -437,3 +440,19 @@ def test_a_processor_refused_its_transactional_id_stops_naming_the_grant(secured
         processor.run()
     assert f"--transactional-id {tid}" in str(refused.value) and SENTINEL not in str(refused.value)
     assert list(consume_all(secured.bootstrap_servers, output, config=secured.client_config(), timeout=5)) == []
+
+
+def test_producer_crash_on_a_sasl_scram_tls_cluster_loses_nothing_and_the_control_does(
+    secured: LocalKafkaCluster, request: pytest.FixtureRequest,
+) -> None:
+    """The loss lab's scenario on this cluster: its clients and the producer programs it SIGKILLs log in
+    with the cluster's settings (one node: what a SIGKILL loses is the client's buffer, whatever the
+    replication; the lab itself runs 3 nodes)."""
+    request.node.rk_cluster = secured  # broker logs attached to a failure report
+    # Smaller than the lab's run (5 kills of 30,000): each kill still catches accepted, undelivered messages.
+    results = {r.client: r for r in producer_crash(secured, no_progress, kills=2, messages=8_000,
+                                                   between=(500, 1_500))}
+    ours, control = results[RELIABLE], results[CONTROL]
+    assert ours.acked > 0 and ours.lost == 0 and ours.duplicates_after_dedup == 0, ours
+    # The control bites: its process died with acknowledged-as-accepted messages in its buffer.
+    assert control.acked > 0 and control.lost > 0, control
