@@ -15,8 +15,9 @@ import click
 
 from reliable_kafka.cli.output import emit_json, fail, table
 from reliable_kafka.errors import ClusterError
+from reliable_kafka.testing import class_archive
 from reliable_kafka.testing.cluster import LocalKafkaCluster
-from reliable_kafka.testing.jars import KAFKA_VERSION, kafka_libs
+from reliable_kafka.testing.jars import KAFKA_VERSION, java_executable, kafka_libs
 from reliable_kafka.testing.security import MODES
 
 log = logging.getLogger(__name__)
@@ -43,9 +44,13 @@ def fetch() -> None:
     """Fetch the Kafka server jars with Maven (once; cached outside the work tree)."""
     try:
         libs = kafka_libs()
+        # Once per jars and Java runtime: later node starts map the classes instead of loading them.
+        archive = class_archive.build(libs, java_executable())
     except ClusterError as exc:
         fail(str(exc))
     click.echo(f"Kafka {KAFKA_VERSION} jars ready in {libs}")
+    if archive is not None:
+        click.echo(f"class archive of the Kafka node ready in {archive}")
 
 
 @cluster_group.command("start")

@@ -37,6 +37,7 @@ from confluent_kafka.admin import (
 
 from reliable_kafka.errors import ClusterError
 from reliable_kafka.retry import retry_kafka_call
+from reliable_kafka.testing import class_archive
 from reliable_kafka.testing.jars import LOG4J_CONFIG, java_executable, kafka_libs
 from reliable_kafka.testing.security import ClusterSecurity
 
@@ -214,6 +215,8 @@ class LocalKafkaCluster:
     # principals ({name: password}) that start with no ACL at all (SCRAM: add_user() adds more later).
     security: str | None = None
     users: Mapping[str, str] = field(default_factory=dict, repr=False)
+    # Only for class_archive.build(): the nodes write their class archive here when they stop cleanly.
+    archive_classes_to: Path | None = field(default=None, repr=False)
     _security: ClusterSecurity = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -673,8 +676,16 @@ class LocalKafkaCluster:
         return "".join(f"{k}={_prop(v)}\n" for k, v in settings.items())
 
     def _java_cmd(self, libs: Path, main: str, *args: str, heap_mb: int) -> list[str]:
+        java = java_executable()
+        if self.archive_classes_to is None:
+            sharing = class_archive.use_options(libs, java)
+        elif main == "kafka.Kafka":
+            sharing = (f"-XX:ArchiveClassesAtExit={self.archive_classes_to}",)
+        else:
+            sharing = ()  # the storage format's classes are the node's too; its exit must not write the archive
         return [
-            java_executable(),
+            java,
+            *sharing,
             f"-Xms{min(256, heap_mb)}m",
             f"-Xmx{heap_mb}m",
             "-XX:+UseG1GC",

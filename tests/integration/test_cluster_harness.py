@@ -104,3 +104,23 @@ def test_acks1_recipe_loses_acknowledged_messages(kafka: LocalKafkaCluster, make
 
     v = until_it_bites(inject, lambda v: v.lost > 0, what="acks=1 isolated leader")
     assert v.lost > 0, f"the acks=1 recipe did not lose anything in three attempts: {v}"
+
+
+def test_the_nodes_map_the_class_archive_the_set_up_built(kafka: LocalKafkaCluster) -> None:
+    """`reliable-kafka cluster fetch` (the set-up) builds the node's class archive; a JVM that rejected it
+    (another Java build, other jars) would start without it, slower and silently: the archive must be
+    mapped into every running node."""
+    from pathlib import Path
+
+    from reliable_kafka.testing import class_archive
+    from reliable_kafka.testing.jars import java_executable, kafka_libs
+    from tests.fixtures.requirements import missing
+
+    archive = class_archive.archive_path(kafka_libs(), java_executable())
+    if not archive.is_file():
+        missing("the Kafka node's class archive", "run `reliable-kafka cluster fetch` (./dev setup does)")
+    for node_id in kafka.running_nodes():
+        node = kafka.nodes[node_id]
+        pid = node.proc.pid if node.proc is not None else node.pid
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert str(archive) in maps, f"node {node_id} did not map {archive}: see its log {node.log_path}"
