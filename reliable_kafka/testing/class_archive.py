@@ -8,45 +8,27 @@ every storage format. On the 2-core test host a one-node broker reached `healthy
 The archive is built once per Kafka jars directory and Java runtime (`reliable-kafka cluster fetch`, run by
 the set-up): a one-node cluster is started with `-XX:ArchiveClassesAtExit`, used (a topic, idempotent and
 transactional sends, a group read) so the classes those paths load are in it, and stopped cleanly, which
-is when the JVM writes the archive. Nodes use it when it is there; without it they start as before. A JVM
+is when the JVM writes the archive. Where it lives and the flags that map it are jars.py's (beside the
+jars). Nodes use it when it is there; without it they start as before. A JVM
 that finds the archive does not match it (another Java build, other jars) ignores it and says so in its
 log: sharing is an optimisation, never a condition of starting.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from reliable_kafka.testing.cluster import LocalKafkaCluster
+from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS, LocalKafkaCluster
+from reliable_kafka.testing.jars import class_archive_path
 
 log = logging.getLogger(__name__)
 
 
-def archive_path(libs: Path, java: str) -> Path:
-    """Where the archive for these jars and this Java runtime lives: beside the jars, named after the
-    runtime, so a Java upgrade builds a new one instead of every JVM refusing the old."""
-    real = Path(os.path.realpath(java))
-    stat = real.stat()
-    runtime = hashlib.sha256(f"{real}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return libs.parent / "class-archive" / f"kafka-node-{runtime}.jsa"
-
-
-def use_options(libs: Path, java: str) -> tuple[str, ...]:
-    """The JVM flags that map the archive, or none when it has not been built."""
-    path = archive_path(libs, java)
-    return (f"-XX:SharedArchiveFile={path}",) if path.is_file() else ()
-
-
 def build(libs: Path, java: str) -> Path | None:
     """Build the archive unless it exists; its path, or None when none could be built (logged)."""
-    from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS, LocalKafkaCluster
-
-    target = archive_path(libs, java)
+    target = class_archive_path(libs, java)
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -37,8 +37,7 @@ from confluent_kafka.admin import (
 
 from reliable_kafka.errors import ClusterError
 from reliable_kafka.retry import retry_kafka_call
-from reliable_kafka.testing import class_archive
-from reliable_kafka.testing.jars import LOG4J_CONFIG, java_executable, kafka_libs
+from reliable_kafka.testing.jars import LOG4J_CONFIG, class_archive_options, java_executable, kafka_libs
 from reliable_kafka.testing.security import ClusterSecurity
 
 log = logging.getLogger(__name__)
@@ -678,7 +677,7 @@ class LocalKafkaCluster:
     def _java_cmd(self, libs: Path, main: str, *args: str, heap_mb: int) -> list[str]:
         java = java_executable()
         if self.archive_classes_to is None:
-            sharing = class_archive.use_options(libs, java)
+            sharing = class_archive_options(libs, java)
         elif main == "kafka.Kafka":
             sharing = (f"-XX:ArchiveClassesAtExit={self.archive_classes_to}",)
         else:

@@ -6,6 +6,7 @@ outside the work tree; a half-finished download is never mistaken for a complete
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -78,3 +79,19 @@ def kafka_libs(*, fetch: bool = True) -> Path:
         shutil.rmtree(libs)
     staging.rename(libs)
     return libs
+
+
+def class_archive_path(libs: Path, java: str) -> Path:
+    """Where the archive for these jars and this Java runtime lives: beside the jars, named after the
+    runtime, so a Java upgrade builds a new one instead of every JVM refusing the old."""
+    real = Path(os.path.realpath(java))
+    stat = real.stat()
+    runtime = hashlib.sha256(f"{real}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return libs.parent / "class-archive" / f"kafka-node-{runtime}.jsa"
+
+
+def class_archive_options(libs: Path, java: str) -> tuple[str, ...]:
+    """The JVM flags that map the Kafka node's class archive (testing/class_archive.py builds it), or
+    none when it has not been built."""
+    path = class_archive_path(libs, java)
+    return (f"-XX:SharedArchiveFile={path}",) if path.is_file() else ()

@@ -112,11 +112,10 @@ def test_the_nodes_map_the_class_archive_the_set_up_built(kafka: LocalKafkaClust
     mapped into every running node."""
     from pathlib import Path
 
-    from reliable_kafka.testing import class_archive
-    from reliable_kafka.testing.jars import java_executable, kafka_libs
+    from reliable_kafka.testing.jars import class_archive_path, java_executable, kafka_libs
     from tests.fixtures.requirements import missing
 
-    archive = class_archive.archive_path(kafka_libs(), java_executable())
+    archive = class_archive_path(kafka_libs(), java_executable())
     if not archive.is_file():
         missing("the Kafka node's class archive", "run `reliable-kafka cluster fetch` (./dev setup does)")
     for node_id in kafka.running_nodes():

@@ -1,11 +1,12 @@
-"""The Kafka node's class archive: where it lives, and which JVMs map it or write it."""
+"""The Kafka node's class archive (testing/class_archive.py, testing/jars.py): where it lives, and which JVMs
+map it or write it."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from reliable_kafka.testing import class_archive
 from reliable_kafka.testing.cluster import LocalKafkaCluster
+from reliable_kafka.testing.jars import class_archive_options, class_archive_path
 
 
 def _java(tmp_path: Path, name: str = "java", body: bytes = b"#!/bin/sh\n") -> str:
@@ -17,19 +18,19 @@ def _java(tmp_path: Path, name: str = "java", body: bytes = b"#!/bin/sh\n") -> s
 
 def test_the_archive_sits_beside_the_jars_and_is_named_after_the_java_runtime(tmp_path) -> None:
     libs, java = tmp_path / "kafka" / "libs", _java(tmp_path)
-    one = class_archive.archive_path(libs, java)
+    one = class_archive_path(libs, java)
     assert one.parent == libs.parent / "class-archive" and one.suffix == ".jsa"
-    assert class_archive.archive_path(libs, java) == one  # stable for the same runtime
-    assert class_archive.archive_path(libs, _java(tmp_path / "other", body=b"#!/bin/sh\n# 17.0.9\n")) != one
+    assert class_archive_path(libs, java) == one  # stable for the same runtime
+    assert class_archive_path(libs, _java(tmp_path / "other", body=b"#!/bin/sh\n# 17.0.9\n")) != one
 
 
 def test_nodes_and_storage_runs_map_the_archive_only_once_it_is_built(tmp_path) -> None:
     libs, java = tmp_path / "libs", _java(tmp_path)
-    assert class_archive.use_options(libs, java) == ()
-    archive = class_archive.archive_path(libs, java)
+    assert class_archive_options(libs, java) == ()
+    archive = class_archive_path(libs, java)
     archive.parent.mkdir(parents=True)
     archive.write_bytes(b"cds")
-    assert class_archive.use_options(libs, java) == (f"-XX:SharedArchiveFile={archive}",)
+    assert class_archive_options(libs, java) == (f"-XX:SharedArchiveFile={archive}",)
 
 
 def test_only_the_node_of_a_building_cluster_writes_the_archive_at_exit(tmp_path, monkeypatch) -> None:
