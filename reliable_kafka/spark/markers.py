@@ -158,8 +158,8 @@ COMPACTION_CONFIGS: dict[str, str] = {
     # The active segment is rolled (at the next append) once it is an hour old, whatever its size:
     # with the default 7 days and 1 GB a marker partition's records would stay in it, uncleaned, for a week.
     "segment.ms": str(3_600_000),
-    # A record is compacted at most an hour after it was written, whatever the dirty ratio
-    # (min.cleanable.dirty.ratio is left at its default: this bound on time is the one reads need).
+    # A record becomes eligible for compaction at most an hour after it was written, whatever the dirty
+    # ratio (min.cleanable.dirty.ratio is left at its default: this bound on time is the one reads need).
     "max.compaction.lag.ms": str(3_600_000),
     # A tombstone stays readable for an hour after the cleaner first reaches it (default: a day).
     # Each released stream batch leaves (partitions + 1) tombstones, so this bounds what a busy stream's
