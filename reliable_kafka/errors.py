@@ -302,7 +302,10 @@ class ClusterError(ReliableKafkaError):
 
 
 class WriteRefused(InputRefused):
-    """A Spark exactly-once write was refused because its input changed under the same write id."""
+    """A Spark exactly-once write was refused because its input changed under the same write id.
+
+    Also raised by a stale attempt of a stream micro-batch whose markers a later batch released.
+    """
 
 
 class RetriesExhausted(ReliableKafkaError):

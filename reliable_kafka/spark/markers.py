@@ -124,7 +124,19 @@ class Plan:
         return json.dumps({"v": _VERSION, "kind": "plan", **asdict(self)}).encode()
 
 
-def decode(raw: bytes | None) -> PartitionMarker | Manifest | Plan | None:
+Record = PartitionMarker | Manifest | Plan
+
+
+def completed_keys(manifest: Manifest) -> list[str]:
+    """The keys a completed write id holds besides its plan: its manifest and its partitions' markers.
+
+    A partition that committed no chunk (an empty input) never wrote a marker, so it has no key here.
+    """
+    markers = [partition_key(manifest.write_id, p) for p, m in sorted(manifest.partitions.items()) if m.chunks > 0]
+    return [*markers, manifest_key(manifest.write_id)]
+
+
+def decode(raw: bytes | None) -> Record | None:
     """The record a marker-topic value holds (None for a tombstone)."""
     if raw is None:
         return None
@@ -137,6 +149,25 @@ def decode(raw: bytes | None) -> PartitionMarker | Manifest | Plan | None:
         return Plan(**data)
     parts = {int(p["partition"]): PartitionMarker(**p) for p in data.pop("partitions")}
     return Manifest(partitions=parts, **data)
+
+
+# Topic configs a marker topic is created with so that compaction actually shrinks what a marker read
+# scans (every read starts at offset 0). Superseded markers of earlier chunks and the tombstones of
+# released stream batches are removed only by the log cleaner, and it never touches the active segment.
+COMPACTION_CONFIGS: dict[str, str] = {
+    # The active segment is rolled (at the next append) once it is an hour old, whatever its size:
+    # with the default 7 days and 1 GB a marker partition's records would stay in it, uncleaned, for a week.
+    "segment.ms": str(3_600_000),
+    # A record becomes eligible for compaction at most an hour after it was written, whatever the dirty
+    # ratio (min.cleanable.dirty.ratio is left at its default: this bound on time is the one reads need).
+    "max.compaction.lag.ms": str(3_600_000),
+    # A tombstone stays readable for an hour after the cleaner first reaches it (default: a day).
+    # Each released stream batch leaves (partitions + 1) tombstones, so this bounds what a busy stream's
+    # reads scan. An hour is far longer than a read takes, and than a stale attempt of a released batch
+    # lives (Spark destroys a killed task's Python worker after spark.python.task.killTimeout, 2 s by
+    # default): while its tombstone is there, such an attempt is refused instead of writing again.
+    "delete.retention.ms": str(3_600_000),
+}
 
 
 class MarkerTopic:
@@ -167,7 +198,7 @@ class MarkerTopic:
                     # delete a marker, or a re-run would write a committed partition again.
                     "cleanup.policy": "compact",
                     "min.insync.replicas": str(min(2, rf)),
-                    "segment.ms": str(3_600_000),
+                    **COMPACTION_CONFIGS,
                 },
             )
             try:
@@ -222,8 +253,13 @@ class MarkerTopic:
     def partition_of(self, key: str) -> int:
         return marker_partition(key, self.partitions())
 
-    def read(self, keys: Collection[str]) -> dict[str, PartitionMarker | Manifest | Plan]:
-        """The last committed record of each key (keys without one are absent).
+    def read(self, keys: Collection[str]) -> dict[str, Record]:
+        """The last committed record of each key (keys without one, or released ones, are absent)."""
+        return {key: record for key, record in self.lookup(keys).items() if record is not None}
+
+    def lookup(self, keys: Collection[str]) -> dict[str, Record | None]:
+        """The last committed record of each key: None when it is a tombstone (the key was released),
+        absent when the key was never written (or its tombstone was compacted away).
 
         The end is taken with read_uncommitted (the high watermark), then the partition is read with
         read_committed until the position reaches it: stopping at the last stable offset instead
@@ -232,12 +268,10 @@ class MarkerTopic:
         by_partition: dict[int, set[str]] = {}
         for key in keys:
             by_partition.setdefault(self.partition_of(key), set()).add(key)
-        found: dict[str, PartitionMarker | Manifest | Plan] = {}
+        found: dict[str, Record | None] = {}
         for partition, wanted in by_partition.items():
             for key, raw in self._read_partition(partition, wanted).items():
-                record = decode(raw)
-                if record is not None:
-                    found[key] = record
+                found[key] = decode(raw)
         return found
 
     def _read_partition(self, partition: int, wanted: set[str]) -> dict[str, bytes | None]:
@@ -289,6 +323,26 @@ class MarkerTopic:
 
     def put(self, key: str, value: bytes) -> None:
         """Write one record outside any transaction (plans and manifests), acknowledged by all in-sync replicas."""
+        self._write({key: value})
+
+    def release(self, write_id: str) -> list[str]:
+        """Tombstone every record of a completed write id, so compaction can remove them; the keys released.
+
+        Only for a write id that will never run again (a stream's micro-batch once a later one
+        committed): an attempt of a released write id finds tombstones, not markers (see `lookup`). A write
+        id without a manifest is left alone: its markers are what its retry or re-run resumes from.
+        """
+        found = self.read([manifest_key(write_id), plan_key(write_id)])  # one marker partition
+        manifest = found.get(manifest_key(write_id))
+        if not isinstance(manifest, Manifest):
+            return []
+        keys = completed_keys(manifest) + [key for key in (plan_key(write_id),) if key in found]
+        self._write(dict.fromkeys(keys))
+        log.info("released the %d marker-topic records of write %s", len(keys), write_id)
+        return keys
+
+    def _write(self, records: Mapping[str, bytes | None]) -> None:
+        """Produce every record (None: a tombstone) with one producer and one flush; raise unless all were acked."""
         errors: list[str] = []
 
         def on_delivery(err: Any, _msg: Any) -> None:
@@ -296,10 +350,12 @@ class MarkerTopic:
                 errors.append(kafka_errors.describe(err))
 
         producer = Producer(producer_config({**self.conn, "linger.ms": 0}))
-        producer.produce(self.topic, value, key.encode(), self.partition_of(key), on_delivery=on_delivery)
+        for key, value in records.items():
+            producer.produce(self.topic, value, key.encode(), self.partition_of(key), on_delivery=on_delivery)
         left = producer.flush(self.timeout_s)
         if left or errors:
+            what = repr(next(iter(records))) if len(records) == 1 else f"{len(records)} records"
             raise PartitionWriteFailed(
-                f"could not write {key!r} to {self.topic}: {errors[0] if errors else 'not acknowledged in time'}",
+                f"could not write {what} to {self.topic}: {errors[0] if errors else 'not acknowledged in time'}",
                 topic=self.topic,
             )

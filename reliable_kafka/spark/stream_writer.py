@@ -13,9 +13,10 @@ import logging
 from collections.abc import Iterator, Mapping
 
 import pyarrow as pa
+from confluent_kafka import KafkaException
 from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
 
-from reliable_kafka.errors import ConfigError, PartitionWriteFailed
+from reliable_kafka.errors import ConfigError, PartitionWriteFailed, ReliableKafkaError
 from reliable_kafka.spark.markers import MarkerTopic
 from reliable_kafka.spark.options import EXACTLY_ONCE, WriterOptions, writer_options
 from reliable_kafka.spark.writer import PartitionCommit, complete_write, current_task, write_partition
@@ -39,6 +40,18 @@ _UNBOUND = "stream"
 def batch_write_id(query_id: str, batch_id: int) -> str:
     """The write id of one micro-batch: markers, the manifest and rk-ids of its rows are keyed by it."""
     return f"{query_id}-{batch_id}"
+
+
+def previous_batch_write_id(write_id: str, batch_id: int) -> str | None:
+    """The write id of the micro-batch before `batch_id` of the query `write_id` belongs to (None for the first).
+
+    Spark numbers a query's micro-batches 0, 1, 2, ... without gaps, also across restarts from its checkpoint.
+    None too when `write_id` is not batch `batch_id`'s (nothing is then known about its query).
+    """
+    suffix = f"-{batch_id}"
+    if batch_id <= 0 or not write_id.endswith(suffix):
+        return None
+    return batch_write_id(write_id[: -len(suffix)], batch_id - 1)
 
 
 def transaction_scope(query_id: str) -> str:
@@ -99,9 +112,35 @@ class KafkaStreamArrowWriter(DataSourceStreamArrowWriter):
             # The batch's manifest: an audit record of what every partition committed. A batch replayed
             # after a driver crash finds its partitions committed and writes the same manifest again.
             complete_write(options, commits, None)
+            self.release_previous(options.write_id, batchId)
         else:
             log.info("stream write %s (at_least_once) delivered %d rows in %d partitions", options.write_id,
                      sum(c.rows for c in done), len(commits))
+
+    def release_previous(self, write_id: str, batch_id: int) -> None:
+        """Tombstone the markers, plan and manifest of the query's previous micro-batch.
+
+        Spark runs batch N only once batch N-1 is in the checkpoint's commit log, and after a driver crash
+        it replays only the last batch of the offsets log, so once batch N is running batch N-1 never runs
+        again: its records are no longer needed, and without this every micro-batch would leave keys that
+        compaction never removes. Batch N's own stay until N+1 commits (a replay of N needs them).
+        Nothing is released when batch N-1 has no manifest: already released (this is a replay of N after
+        a driver crash), or written at_least_once (the query ran with it before a restart; the records of
+        exactly_once batches before those then stay).
+        """
+        previous = previous_batch_write_id(write_id, batch_id)
+        if previous is None:
+            if batch_id > 0:
+                log.warning("stream batch %d reported write id %r, not one of this batch: nothing released",
+                            batch_id, write_id)
+            return
+        try:
+            MarkerTopic(self.options.kafka, self.options.marker_topic).release(previous)
+        except (KafkaException, ReliableKafkaError) as exc:
+            # Housekeeping, not the batch's outcome (its rows and manifest are committed): failing the
+            # query for it would only replay this batch. The previous batch's records stay in place.
+            log.warning("stream batch %d: the records of write %s were not released (%s); they stay in the "
+                        "marker topic", batch_id, previous, exc)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         finished = sum(isinstance(m, PartitionCommit) for m in messages)

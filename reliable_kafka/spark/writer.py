@@ -402,15 +402,33 @@ class _ExactlyOnce:
             fingerprint=self.fingerprint.digest(),
         )
 
+    def _committed_marker(self) -> PartitionMarker | None:
+        """This partition's marker, read after init_transactions; refused when the write id was released.
+
+        A tombstone in place of the marker means the write id completed and a later stream batch
+        released its records (MarkerTopic.release): this is a stale attempt of a micro-batch Spark has
+        committed, and with no marker to resume from it would write the partition's rows again.
+        """
+        found = self.markers.lookup([self.key])
+        if self.key in found and found[self.key] is None:
+            raise WriteRefused(
+                f"write {self.options.write_id!r}, partition {self.partition}: the write completed and its "
+                "markers were released after a later micro-batch of its stream committed; this attempt of an "
+                "already committed batch writes nothing (Spark never replays such a batch: was the query's "
+                "checkpoint changed by hand?)"
+            )
+        marker = found.get(self.key)
+        if marker is not None and not isinstance(marker, PartitionMarker):
+            raise PartitionWriteFailed(f"marker topic record {self.key!r} is not a partition marker: {marker!r}")
+        return marker
+
     def _run(self, producer: Producer, batches: Iterable[pa.RecordBatch]) -> PartitionCommit:
         options = self.options
         # Fences every older attempt of this partition (a retry's predecessor, a speculative twin, a
         # worker that outlived its task) and settles its open transaction, so the marker read next
         # shows every chunk that will ever commit.
         self._call(lambda: producer.init_transactions(_CALL_TIMEOUT_S), "init_transactions")
-        marker = self.markers.read([self.key]).get(self.key)
-        if marker is not None and not isinstance(marker, PartitionMarker):
-            raise PartitionWriteFailed(f"marker topic record {self.key!r} is not a partition marker: {marker!r}")
+        marker = self._committed_marker()
         known = marker.num_partitions if marker is not None else None
         if options.num_partitions and known not in (None, options.num_partitions):
             raise WriteRefused(
