@@ -108,7 +108,9 @@ class AsyncReliableProducer:
     dispatcher and the group commit are that producer's, so both front ends keep the same promises.
 
     Concurrent `await send()` calls share outbox transactions (group commit): a writer thread commits
-    whatever is queued in one transaction and wakes the loop once per commit. The first send to a topic
+    whatever is queued in one transaction and wakes the loop once per commit (in memory mode, whose
+    accept does no I/O, the sends of one loop pass are accepted together on the loop while that cannot
+    wait: _LoopCommit). The first send to a topic
     (its preflight, and a Schema Registry serializer's first request for the topic's subject), send_many(),
     flush(), wait()'s first look, start() and close() run on the producer's own worker threads. Serializers
     otherwise run on the loop, as in aiokafka: keep them quick.
