@@ -52,7 +52,7 @@ class _LoopCommit:
     batches (no broker, 200 tasks x 500 sends: 32 us per send on the loop against 25 us for loop and
     writer together), where one accept per pass costs 16-18 us. On a 3-node cluster (200 tasks, 300k
     messages) the sending process spent 22-30 us per message against 30-32 us through the writer, and
-    1M messages ran at 1.13x AIOProducer (docs/results.md, "One send() per request").
+    1M messages ran at 1.13x and 1.35x AIOProducer in two runs (docs/results.md, "One send() per request").
     """
 
     __slots__ = ("_loop", "_accept_now", "_group", "_wake", "_rows", "_futures")
