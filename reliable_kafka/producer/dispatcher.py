@@ -18,7 +18,12 @@ from typing import Any, TypeVar
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from reliable_kafka import rdkafka_stats, telemetry
-from reliable_kafka.errors import AuthenticationFailed, ClusterAuthorizationFailed, TopicAuthorizationFailed
+from reliable_kafka.errors import (
+    AuthenticationFailed,
+    ClusterAuthorizationFailed,
+    OutboxFull,
+    TopicAuthorizationFailed,
+)
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.kafka_errors import Disposition, classify, describe, not_authorized
 from reliable_kafka.producer.holds import FIRST_WAIT_S, MAX_WAIT_S, AuthorizationHolds
@@ -162,13 +167,40 @@ class Dispatcher:
         """Append `rows` to the spool and hand them to librdkafka unless older ones wait; returns their seqs.
 
         Fills `errors` (seq -> reason) for rows Kafka refused at once (they are kept as failed). The
-        caller passes the dict, and the hand-over is inline rather than a method of its own: this is
-        send's hot path, and a batch costs no call or object beyond what it needs.
+        caller passes the dict, and the hand-over loop is inline rather than a method per message: this
+        is send's hot path, and a batch costs no call or object beyond what it needs.
         """
         if len(self._producer) >= self._max_in_flight:
             self._wait_for_room()
+        return self._append_and_hand_over(rows, errors, self._send_timeout_s)
+
+    def accept_now(self, rows: Sequence[NewMessage], errors: dict[int, str]) -> list[int] | None:
+        """accept(), for a caller that must never wait (an event loop): None, having stored nothing, where
+        accept() would wait — for librdkafka to hold fewer than max_in_flight, for room in the spool, or
+        for the send lock another thread holds (the writer's commit, the poller handing over a backlog) —
+        and where older rows wait to be handed over (new ones would only join that backlog). The caller
+        then takes the path that may wait, off its thread.
+
+        The spool's own lock may still be taken for as long as a round of delivery reports takes to
+        record (a dict pop each): that is the poller's CPU, never a wait for the brokers.
+        """
+        if (len(self._producer) >= self._max_in_flight or self._dispatched_upto != self._last_seq
+                or self._redeliver or self._fatal is not None):
+            return None
+        if not self._send_lock.acquire(blocking=False):
+            return None
+        try:
+            return self._append_and_hand_over(rows, errors, 0.0)  # (the lock is re-entrant)
+        except OutboxFull:
+            return None  # nothing was stored: the spool is at its bound
+        finally:
+            self._send_lock.release()
+
+    def _append_and_hand_over(self, rows: Sequence[NewMessage], errors: dict[int, str], timeout: float
+                              ) -> list[int]:
+        """accept() once it may: append (waiting up to `timeout` for room in the spool) and hand over."""
         with self._send_lock:
-            seqs = self._spool.append(rows, timeout=self._send_timeout_s)
+            seqs = self._spool.append(rows, timeout=timeout)
             self._last_seq = seqs[-1]
             # Hand over now only when no older row waits (order first) and librdkafka has room;
             # otherwise the poller hands them over from the spool, after the older ones.

@@ -21,14 +21,18 @@ from tests.integration.test_producer import _run_killed
 pytestmark = pytest.mark.cluster
 
 
+@pytest.mark.parametrize("durability", ["process", "memory"])
 def test_200_concurrent_async_sends_are_delivered_once_in_shared_commits(kafka: LocalKafkaCluster, make_topic,
-                                                                        tmp_path: Path) -> None:
+                                                                        tmp_path: Path, durability: str) -> None:
+    """"process": the writer thread commits what the tasks queued; "memory": a loop pass's sends are
+    accepted together on the loop."""
     topic = make_topic(partitions=3)
     values = [f"a-{task}-{i}".encode() for task in range(200) for i in range(10)]
+    outbox = tmp_path / "o.db" if durability == "process" else None
 
     async def main() -> tuple[int, int, list[str]]:
-        async with AsyncReliableProducer({"bootstrap.servers": kafka.bootstrap_servers},
-                                         outbox_path=tmp_path / "o.db") as p:
+        async with AsyncReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, durability=durability,
+                                         outbox_path=outbox) as p:
 
             async def task(n: int) -> list[object]:
                 return [await p.send(topic, v) for v in values[n * 10:(n + 1) * 10]]
