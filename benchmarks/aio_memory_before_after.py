@@ -17,9 +17,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
+
 from reliable_kafka.bench.common import run_variant
-from reliable_kafka.cli.bench import _create_topic_fn
-from reliable_kafka.testing.cluster import LocalKafkaCluster
 
 HERE = str(Path(__file__).resolve().parent.parent)
 ROWS = (("aio-raw-tasks-200", "after", "aio-raw-tasks-200"),
@@ -30,13 +30,8 @@ ROWS = (("aio-raw-tasks-200", "after", "aio-raw-tasks-200"),
 def main() -> None:
     n, rounds, out, before = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     code = {"before": before, "after": HERE}
-    cluster = LocalKafkaCluster(brokers=3)
-    cluster.start()
-    cluster.wait_healthy()
-    load_before = os.getloadavg()
-    try:
-        conn = cluster.client_config()
-        create = _create_topic_fn(conn)
+    with bench_cluster() as (_cluster, conn, create):
+        load_before = os.getloadavg()
 
         def one(variant: str, version: str) -> dict[str, Any]:
             topic = f"calls-{uuid.uuid4().hex[:8]}"
@@ -56,8 +51,6 @@ def main() -> None:
             print(f"{label}: median {statistics.median(x['msgs_per_s'] for x in runs[label]):,.0f} msgs/s")
         out.write_text(json.dumps({"messages": n, "rounds": rounds, "load_before": load_before,
                                    "load_after": os.getloadavg(), "runs": runs}, indent=1))
-    finally:
-        cluster.stop()
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ import threading
 import time
 import uuid
 
+from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
+
 from reliable_kafka.bench import calls
-from reliable_kafka.cli.bench import _create_topic_fn
 from reliable_kafka.producer.dispatcher import Dispatcher
-from reliable_kafka.testing.cluster import LocalKafkaCluster
 
 TICK = os.sysconf("SC_CLK_TCK")
 ACCEPT_NOW = Dispatcher.accept_now
@@ -86,12 +86,7 @@ class ThreadCpu:
 
 def main() -> None:
     n, variants = int(sys.argv[1]), sys.argv[2:]
-    cluster = LocalKafkaCluster(brokers=3)
-    cluster.start()
-    cluster.wait_healthy()
-    try:
-        conn = cluster.client_config()
-        create = _create_topic_fn(conn)
+    with bench_cluster() as (cluster, conn, create):
         brokers = [node.proc.pid for node in cluster.nodes.values() if node.proc is not None]
         for i, name in enumerate([variants[0], *variants]):
             topic = f"cpu-{uuid.uuid4().hex[:8]}"
@@ -109,8 +104,6 @@ def main() -> None:
             for thread, c in sorted(threads.by_name().items(), key=lambda kv: -kv[1]):
                 if c > 0.05:
                     print(f"  {thread:32s} {c / n * 1e6:6.1f} us/msg", flush=True)
-    finally:
-        cluster.stop()
 
 
 if __name__ == "__main__":

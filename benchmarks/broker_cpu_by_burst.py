@@ -18,12 +18,11 @@ import time
 import uuid
 from typing import Any
 
+from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
 from confluent_kafka import Producer
 
-from reliable_kafka.cli.bench import _create_topic_fn
 from reliable_kafka.config import producer_config
 from reliable_kafka.ids import ID_HEADER, new_id
-from reliable_kafka.testing.cluster import LocalKafkaCluster
 
 VALUE = b"x" * 100
 
@@ -72,12 +71,7 @@ def paced(connection: dict[str, Any], topic: str, n: int, burst: int, headers: b
 def main() -> None:
     n, rate = int(sys.argv[1]), float(sys.argv[2])
     cases = [(int(b), h == "h") for b, h in (c.split(":") for c in sys.argv[3:])]
-    cluster = LocalKafkaCluster(brokers=3)
-    cluster.start()
-    cluster.wait_healthy()
-    try:
-        conn = cluster.client_config()
-        create = _create_topic_fn(conn)
+    with bench_cluster() as (cluster, conn, create):
         brokers = [node.proc.pid for node in cluster.nodes.values() if node.proc is not None]
         for i, (burst, headers) in enumerate([cases[0], *cases]):
             topic = f"burst-{uuid.uuid4().hex[:8]}"
@@ -87,8 +81,6 @@ def main() -> None:
             used = sum(cpu_s(p) for p in brokers) - before
             print(f"{'warm-up ' if i == 0 else ''}bursts of {burst}, rk-id header {headers}: {n / took:,.0f} msgs/s, "
                   f"brokers {used / n * 1e6:.1f} us/msg", flush=True)
-    finally:
-        cluster.stop()
 
 
 if __name__ == "__main__":

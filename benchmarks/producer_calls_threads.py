@@ -18,9 +18,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
+
 from reliable_kafka.bench.common import run_variant
-from reliable_kafka.cli.bench import _create_topic_fn
-from reliable_kafka.testing.cluster import LocalKafkaCluster
 
 VARIANTS = ("raw-threads-16", "send-threads-16-process", "raw-threads-1", "send-threads-1-process")
 OUT = Path(__file__).resolve().parent / "results" / "journal" / "producer-calls-threads.json"
@@ -33,12 +33,7 @@ def main() -> None:
         out_path, argv = Path(argv[1]), argv[2:]
     n, rounds = int(argv[0]), int(argv[1])
     variants = tuple(argv[2:]) or VARIANTS
-    cluster = LocalKafkaCluster(brokers=3)
-    cluster.start()
-    cluster.wait_healthy()
-    try:
-        conn = cluster.client_config()
-        create = _create_topic_fn(conn)
+    with bench_cluster() as (cluster, conn, create):
 
         def args() -> list[str]:
             topic = f"calls-{uuid.uuid4().hex[:8]}"
@@ -56,8 +51,6 @@ def main() -> None:
             print(f"{v}: median {statistics.median(x['msgs_per_s'] for x in runs[v]):,.0f} msgs/s")
         out_path.parent.mkdir(parents=True, exist_ok=True)
         out_path.write_text(json.dumps({"messages": n, "rounds": rounds, "runs": runs}, indent=1))
-    finally:
-        cluster.stop()
 
 
 if __name__ == "__main__":
