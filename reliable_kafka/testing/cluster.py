@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException, TopicPartition
 from confluent_kafka.admin import (
     AdminClient,
     ConfigResource,
@@ -548,6 +548,30 @@ class LocalKafkaCluster:
             return all(p.leader >= 0 and len(p.isrs) == rf for p in t.partitions.values())
 
         self._wait(ready, timeout, f"topic {name} to be ready")
+
+    def delete_records(self, topic: str, before: Mapping[int, int], timeout: float = 60.0) -> dict[int, int]:
+        """Delete the records of `topic` below the given offset of each partition (as retention would);
+        returns each partition's new low watermark.
+
+        librdkafka sends DeleteRecords to the leaders its metadata cache names, and answers at once with
+        "No leaders found" (_NOENT) when that cache has none for the partition (seen once in CI on a loaded
+        host, just after the partition was written to): the request is then sent again, with metadata asked
+        afresh, until `timeout`. A refusal by the broker itself is raised as it is.
+        """
+        deadline = time.monotonic() + timeout
+        wanted = [TopicPartition(topic, p, offset) for p, offset in sorted(before.items())]
+        while True:
+            admin = self.admin()
+            try:
+                futures = admin.delete_records(wanted, request_timeout=max(1.0, deadline - time.monotonic()))
+                return {tp.partition: f.result(timeout=max(1.0, deadline - time.monotonic())).low_watermark
+                        for tp, f in futures.items()}
+            except KafkaException as exc:
+                if exc.args[0].code() != KafkaError._NOENT or time.monotonic() >= deadline:
+                    raise
+                log.info("deleting records of %s: %s; asking for metadata again", topic, exc.args[0].str())
+                admin.list_topics(topic, timeout=5)
+                time.sleep(0.5)
 
     def delete_topic(self, name: str, timeout: float = 30.0) -> None:
         admin = self.admin()

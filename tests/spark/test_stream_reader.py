@@ -236,9 +236,7 @@ def test_stream_stops_on_deleted_records_unless_fail_on_data_loss_is_false(spark
 
     # Records the query has not read yet are deleted (as retention would) while it is down.
     later = produce(500, 1000)
-    admin = kafka.admin()
-    for deleted in admin.delete_records([TopicPartition(topic, 0, 1000)]).values():
-        deleted.result(30)
+    assert kafka.delete_records(topic, {0: 1000}) == {0: 1000}
     with pytest.raises(Exception, match="failOnDataLoss=false"):
         run_available_now(spark, boot, topic, checkpoint, Run())
 

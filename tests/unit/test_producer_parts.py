@@ -6,7 +6,6 @@ messages on librdkafka's mock cluster (error paths only: the mock proves no deli
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 import threading
 import uuid
@@ -197,17 +196,6 @@ def test_a_broker_size_refusal_is_judged_off_the_callback_and_fails_only_the_ove
     counts = d.counters.stats()
     assert counts.failed == 1 and counts.retried == 4 and counts.delivered == 4
     assert counts.sent == 5
-
-
-@pytest.fixture
-def silent_broker() -> Iterator[str]:
-    """A listener that accepts connections and never answers: librdkafka holds what it is given, and no
-    error event comes for 10 s (api.version.request.timeout.ms). A refused port would queue a
-    "Connection refused" event on every reconnect, which len(Producer) counts until it is served."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(8)
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
 
 
 def test_the_poller_runs_on_its_own_thread_and_stop_lets_go_of_what_librdkafka_holds(silent_broker: str) -> None:
