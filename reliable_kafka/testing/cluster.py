@@ -36,6 +36,7 @@ from confluent_kafka.admin import (
 )
 
 from reliable_kafka.errors import ClusterError
+from reliable_kafka.kafka_errors import Disposition
 from reliable_kafka.retry import retry_kafka_call
 from reliable_kafka.testing.jars import LOG4J_CONFIG, class_archive_options, java_executable, kafka_libs
 from reliable_kafka.testing.security import ClusterSecurity
@@ -172,6 +173,12 @@ class KafkaNode:
         except OSError:
             return False
         return str(self.config_path).encode() in cmdline
+
+
+def _no_leader_in_cache(exc: KafkaException) -> Disposition:
+    """delete_records' only retriable error: librdkafka's "No leaders found" (_NOENT), which it answers at
+    once when its metadata cache names no leader for a partition."""
+    return Disposition.RETRIABLE if exc.args[0].code() == KafkaError._NOENT else Disposition.PERMANENT
 
 
 @dataclass
@@ -558,20 +565,20 @@ class LocalKafkaCluster:
         host, just after the partition was written to): the request is then sent again, with metadata asked
         afresh, until `timeout`. A refusal by the broker itself is raised as it is.
         """
-        deadline = time.monotonic() + timeout
         wanted = [TopicPartition(topic, p, offset) for p, offset in sorted(before.items())]
-        while True:
+        attempts = 0
+
+        def delete() -> dict[int, int]:
+            nonlocal attempts
             admin = self.admin()
-            try:
-                futures = admin.delete_records(wanted, request_timeout=max(1.0, deadline - time.monotonic()))
-                return {tp.partition: f.result(timeout=max(1.0, deadline - time.monotonic())).low_watermark
-                        for tp, f in futures.items()}
-            except KafkaException as exc:
-                if exc.args[0].code() != KafkaError._NOENT or time.monotonic() >= deadline:
-                    raise
-                log.info("deleting records of %s: %s; asking for metadata again", topic, exc.args[0].str())
-                admin.list_topics(topic, timeout=5)
-                time.sleep(0.5)
+            if attempts:
+                admin.list_topics(topic, timeout=5)  # the cache named no leader: ask for metadata afresh
+            attempts += 1
+            futures = admin.delete_records(wanted, request_timeout=30)
+            return {tp.partition: f.result(timeout=30).low_watermark for tp, f in futures.items()}
+
+        return retry_kafka_call(delete, deadline_s=timeout, what=f"deleting records of {topic}",
+                                classify=_no_leader_in_cache, retry_on=(Disposition.RETRIABLE,), log=log)
 
     def delete_topic(self, name: str, timeout: float = 30.0) -> None:
         admin = self.admin()
