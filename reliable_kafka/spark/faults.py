@@ -80,28 +80,43 @@ class UntilCommitted:
         raise TimeoutError(f"partitions {self.partitions} of write {self.write_id} did not complete in time")
 
 
-def slow_attempts(
-    df: DataFrame,
-    *,
-    seconds_per_batch: float,
-    attempts: tuple[int, ...] | None = (0,),
-    partitions: tuple[int, ...] | None = None,
-) -> DataFrame:
-    """`df` whose chosen task attempts wait `seconds_per_batch` before passing each Arrow batch on.
+@dataclass(frozen=True)
+class Slow:
+    """One rule of slow_attempts(): the chosen task attempts wait `seconds_per_batch` before passing each
+    Arrow batch on, from batch number `after_batches` on (the ones before pass at once). attempts=None and
+    partitions=None choose all."""
 
-    Makes a partition take long enough to be caught mid-write (a fault gated on its progress), or
-    makes one attempt a straggler that speculation runs a copy of (attempts=(0,): the copy is fast).
+    seconds_per_batch: float
+    attempts: tuple[int, ...] | None = (0,)
+    partitions: tuple[int, ...] | None = None
+    after_batches: int = 0
+
+    def chooses(self, attempt: int, partition: int) -> bool:
+        return (self.attempts is None or attempt in self.attempts) and (
+            self.partitions is None or partition in self.partitions)
+
+
+def slow_attempts(df: DataFrame, *rules: Slow) -> DataFrame:
+    """`df` whose task attempts are slowed by the first of `rules` that chooses them, in one stage.
+
+    Makes a partition take long enough to be caught mid-write (a fault gated on its progress), or makes
+    one attempt a straggler that speculation runs a copy of, with a pace of its own for the copy.
+
+    One mapInArrow for all the rules, because every Python stage between this one and the sink delays
+    what the sink sees: PySpark passes a Python worker's output on in 64 KB writes, and the JVM asks for
+    the row after a full Arrow batch before it passes that batch on, so a batch reaches the next Python
+    stage only once later ones are made. Seen on the standalone cluster: with two such stages a
+    straggler's writer got none of its first 6 of 8 batches in 10 s. The sink sees each batch soon after
+    it passes only when batches are larger than 64 KB and a few more follow.
     """
 
     def run(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         context = TaskContext.get()
         assert context is not None
-        chosen = (attempts is None or context.attemptNumber() in attempts) and (
-            partitions is None or context.partitionId() in partitions
-        )
-        for batch in batches:
-            if chosen:
-                time.sleep(seconds_per_batch)
+        rule = next((r for r in rules if r.chooses(context.attemptNumber(), context.partitionId())), None)
+        for n, batch in enumerate(batches):
+            if rule is not None and n >= rule.after_batches:
+                time.sleep(rule.seconds_per_batch)
             yield batch
 
     return df.mapInArrow(run, df.schema)

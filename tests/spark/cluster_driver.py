@@ -3,11 +3,13 @@
 A process holds one SparkContext, and the test process already holds the local session, so a job on
 the cluster gets a driver of its own. It is set up the way docs/spark.md ("Running on a cluster")
 tells users to: the package shipped to the executors as a zip (spark.submit.pyFiles, what --py-files
-sets) and the executors' Python named by PYSPARK_PYTHON. It prints one JSON line: what the write did.
+sets) and the executors' Python named by PYSPARK_PYTHON. It prints one JSON line: what the write did. With a
+"stream" entry the job is a Structured Streaming query instead of a batch write (`_stream`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -44,6 +46,53 @@ def _tasks(spark: Any, stage_ids: list[int], timeout_s: float = 60.0) -> list[di
         time.sleep(0.5)
 
 
+def _slow_rules(spec: dict[str, Any]) -> list[Any]:
+    """The spec's "slow" entries as faults.Slow rules (attempts and partitions: a list, or None for all)."""
+    from reliable_kafka.spark.faults import Slow
+
+    def chosen(value: Any) -> tuple[int, ...] | None:
+        return tuple(value) if value is not None else None
+
+    return [Slow(s["seconds_per_batch"], attempts=chosen(s.get("attempts")), partitions=chosen(s.get("partitions")),
+                 after_batches=s.get("after_batches", 0)) for s in spec["slow"]]
+
+
+def values_digest(values: list[bytes]) -> dict[str, Any]:
+    """How many values, how many distinct, and a digest of them in order: equal for equal multisets."""
+    digest = hashlib.sha256()
+    for value in sorted(values):
+        digest.update(len(value).to_bytes(4, "big") + value)
+    return {"rows": len(values), "distinct": len(set(values)), "sha256": digest.hexdigest()}
+
+
+def _stream(spark: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """A Structured Streaming query, Kafka to Kafka through a slowed stage, our source and exactly_once sink,
+    run with Trigger.AvailableNow over what the input holds: {"query_id", "rows", "batches"}."""
+    from reliable_kafka.spark import FORMAT
+    from reliable_kafka.spark.faults import slow_attempts
+
+    stream = spec["stream"]
+    source = (spark.readStream.format(FORMAT).option("kafka.bootstrap.servers", spec["bootstrap"])
+              .option("subscribe", stream["input"]).option("startingOffsets", "earliest")
+              .option("maxOffsetsPerTrigger", str(stream["max_offsets_per_trigger"])).load())
+    df = source.select("key", "value")
+    if spec.get("slow"):
+        df = slow_attempts(df, *_slow_rules(spec))
+    query = (df.writeStream.format(FORMAT).option("kafka.bootstrap.servers", spec["bootstrap"])
+             .option("topic", stream["output"]).option("guarantee", "exactly_once")
+             .option("checkpointLocation", stream["checkpoint"]).trigger(availableNow=True).start())
+    if not query.awaitTermination(stream.get("timeout_s", 300)):
+        query.stop()
+        raise TimeoutError(f"the stream did not end within {stream.get('timeout_s', 300)}s")
+    if query.exception() is not None:
+        raise RuntimeError(f"the query failed: {query.exception()}")
+    return {
+        "query_id": str(query.id),
+        "rows": sum(int(p.get("numInputRows", 0)) for p in query.recentProgress),
+        "batches": sorted({int(p["batchId"]) for p in query.recentProgress if p.get("numInputRows", 0) > 0}),
+    }
+
+
 def main(spec: dict[str, Any]) -> dict[str, Any]:
     # The executors' Python: an interpreter every node has at this path, with pyspark, pyarrow and
     # confluent-kafka installed (reliable_kafka itself comes in the zip).
@@ -51,7 +100,7 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # loopback only, whatever the host name resolves to
     from pyspark.sql import SparkSession
 
-    from reliable_kafka.spark import write_kafka
+    from reliable_kafka.spark import read_kafka, write_kafka
     from reliable_kafka.spark.api import register
     from reliable_kafka.spark.faults import slow_attempts
     from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS
@@ -79,12 +128,12 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     try:
         register(spark)
         module_files = _module_file_on_executors(spark)
+        if "stream" in spec:
+            return {**_stream(spark, spec), "module_files": module_files}
         df, _ = numbered_frame(spark, spec["write_id"], partitions=spec["partitions"],
-                               rows_per_partition=spec["rows_per_partition"])
-        for slow in spec.get("slow", []):
-            df = slow_attempts(df, seconds_per_batch=slow["seconds_per_batch"],
-                               attempts=tuple(slow["attempts"]) if slow.get("attempts") is not None else None,
-                               partitions=tuple(slow["partitions"]) if slow.get("partitions") is not None else None)
+                               rows_per_partition=spec["rows_per_partition"], value_bytes=spec.get("value_bytes", 0))
+        if spec.get("slow"):
+            df = slow_attempts(df, *_slow_rules(spec))
         spark.sparkContext.setJobGroup("write", "the write under test")
         result = write_kafka(df, spec["bootstrap"], spec["topic"], guarantee="exactly_once",
                              write_id=spec["write_id"], num_partitions=spec["partitions"],
@@ -94,7 +143,10 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                             for s in job.stageIds})
         tasks = _tasks(spark, stage_ids)
         assert result.manifest is not None
+        # Our reader on the cluster: what its executors read of the topic, to hold against an independent read.
+        read = read_kafka(spark, spec["bootstrap"], subscribe=spec["topic"]).df.select("value").collect()
         return {
+            "read": values_digest([bytes(r.value) for r in read]),
             "rows": result.manifest.rows,
             "partitions": {str(p): {"attempt": m.attempt, "rows_written": m.rows_written}
                            for p, m in result.manifest.partitions.items()},

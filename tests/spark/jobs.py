@@ -19,15 +19,22 @@ ROWS_PER_PARTITION = 1_500
 
 
 def numbered_frame(spark: Any, tag: str, *, partitions: int = PARTITIONS,
-                   rows_per_partition: int = ROWS_PER_PARTITION) -> tuple[Any, list[bytes]]:
-    """A DataFrame of `partitions` x `rows_per_partition` unique values (deterministic per partition)."""
+                   rows_per_partition: int = ROWS_PER_PARTITION, value_bytes: int = 0) -> tuple[Any, list[bytes]]:
+    """A DataFrame of `partitions` x `rows_per_partition` unique values (deterministic per partition).
+
+    `value_bytes` pads each value with "x" to that length: a sink downstream of a slowed stage
+    (`faults.slow_attempts`) sees its input arrive while it is made only when an Arrow batch is larger
+    than PySpark's 64 KB writes; small values reach it all at once at the end.
+    """
     from pyspark.sql import functions as F
 
     total = partitions * rows_per_partition
-    df = spark.range(0, total, 1, partitions).select(
-        F.concat(F.lit(f"{tag}-"), F.lpad(F.col("id").cast("string"), 8, "0")).cast("binary").alias("value")
-    )
-    return df, [f"{tag}-{i:08d}".encode() for i in range(total)]
+    number = F.concat(F.lit(f"{tag}-"), F.lpad(F.col("id").cast("string"), 8, "0"))
+    if value_bytes:
+        assert value_bytes >= len(tag) + 9, "rpad would cut the number off"
+        number = F.rpad(number, value_bytes, "x")
+    df = spark.range(0, total, 1, partitions).select(number.cast("binary").alias("value"))
+    return df, [f"{tag}-{i:08d}".ljust(value_bytes, "x").encode() for i in range(total)]
 
 
 def read_back(bootstrap: str, topic: str, *, isolation_level: str = "read_committed") -> list[Any]:

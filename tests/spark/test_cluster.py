@@ -18,11 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from confluent_kafka import Producer
 
 from reliable_kafka.spark.markers import MarkerTopic, PartitionMarker, partition_key
 from reliable_kafka.spark.options import DEFAULT_MARKER_TOPIC
 from reliable_kafka.testing import free_port
+from reliable_kafka.testing.offsets_probe import OffsetsProbe
 from reliable_kafka.testing.verify import verdict
+from tests.spark.cluster_driver import values_digest
 from tests.spark.jobs import read_back
 
 pytestmark = [pytest.mark.spark, pytest.mark.cluster]
@@ -31,10 +34,14 @@ log = logging.getLogger(__name__)
 
 PARTITIONS = 4
 ROWS = 2_000  # per partition: 8 Arrow batches of 250 rows
+# 250 rows of 400 bytes make an Arrow batch of about 100 KB, more than the 64 KB in which PySpark passes a
+# Python worker's output on: the writer gets each batch as the slowed stage lets it go, so its markers move
+# batch by batch (with 22-byte values it got a partition's 8 batches at once, at the end).
+VALUE_BYTES = 400
 
 
 def _values(write_id: str) -> list[bytes]:
-    return [f"{write_id}-{i:08d}".encode() for i in range(PARTITIONS * ROWS)]
+    return [f"{write_id}-{i:08d}".ljust(VALUE_BYTES, "x").encode() for i in range(PARTITIONS * ROWS)]
 
 
 def _result(driver: subprocess.Popen[str], log_path: Path, timeout: float = 300.0) -> dict[str, Any]:
@@ -70,8 +77,8 @@ def _one_job(spark_cluster: Any, kafka: Any, topic: str, markers: MarkerTopic, l
     # caught with rows committed and the rest still to come.
     driver = spark_cluster.submit({
         "bootstrap": kafka.bootstrap_servers, "topic": topic, "write_id": write_id, "ui_port": free_port(),
-        "partitions": PARTITIONS, "rows_per_partition": ROWS, "options": {"chunkRows": "500"},
-        "slow": [{"seconds_per_batch": 0.25, "attempts": None}],
+        "partitions": PARTITIONS, "rows_per_partition": ROWS, "value_bytes": VALUE_BYTES,
+        "options": {"chunkRows": "500"}, "slow": [{"seconds_per_batch": 0.25, "attempts": None}],
     }, log_path)
     killed = False
     try:
@@ -114,6 +121,8 @@ def test_exactly_once_on_a_cluster_survives_executor_sigkills(spark_cluster, kaf
         v = verdict(_values(write_id), [m.value() for m in read_back(kafka.bootstrap_servers, topic)])
         assert (v.acked, v.lost, v.duplicates) == (PARTITIONS * ROWS, 0, 0), (job, v)
         assert result["rows"] == PARTITIONS * ROWS
+        # Our reader, run by the cluster's executors, read exactly what the independent reader did.
+        assert result["read"] == values_digest(_values(write_id)), result["read"]
         # The executors ran the package from the zip the driver shipped, not from an installation.
         assert result["module_files"] and all("reliable_kafka.zip" in f for f in result["module_files"]), result
         # The fault bit: a partition a dead executor was writing was finished by a later attempt. A kill
@@ -125,3 +134,157 @@ def test_exactly_once_on_a_cluster_survives_executor_sigkills(spark_cluster, kaf
         log.warning("job %d of %d: the executor kill did not land mid-write (killed=%s, partitions %s); "
                     "running a fresh job", job, JOBS, result["killed"], result["partitions"])
     assert bit, f"no executor kill landed mid-write in {JOBS} jobs; the last driver said:\n{_tail(log_path)}"
+
+
+def _speculated_job(spark_cluster: Any, kafka: Any, topic: str, log_path: Path) -> dict[str, Any]:
+    """One job whose partition 0 is a straggler mid-write when Spark starts a speculative copy of it."""
+    write_id = f"spec-{uuid.uuid4().hex[:8]}"
+    driver = spark_cluster.submit({
+        "bootstrap": kafka.bootstrap_servers, "topic": topic, "write_id": write_id, "ui_port": free_port(),
+        "partitions": PARTITIONS, "rows_per_partition": ROWS, "value_bytes": VALUE_BYTES,
+        # One transaction per partition (a chunk is all its rows, or 19 s, under a third of the transaction
+        # timeout): the original holds an open one from its first row until it is fenced.
+        "options": {"chunkRows": str(ROWS), "chunkSeconds": "19"},
+        # The original passes 6 of its 8 batches at once, then one every 3 s: a straggler with rows in its
+        # open transaction when Spark starts the copy (a batch reaches the writer only once later ones
+        # are made: see faults.slow_attempts). The copy takes 1 s a batch: it fences the original,
+        # aborting that transaction, and while it writes, the original's next rows are refused
+        # (its fence): an original that failed then would abort the job.
+        "slow": [{"seconds_per_batch": 3.0, "attempts": [0], "partitions": [0], "after_batches": 6},
+                 {"seconds_per_batch": 1.0, "attempts": [1], "partitions": [0]}],
+        "conf": {
+            "spark.task.maxFailures": 1,  # a single counted failure aborts the job
+            "spark.speculation": "true",
+            "spark.speculation.interval": "200ms",
+            "spark.speculation.quantile": "0.5",
+            "spark.speculation.multiplier": "1.5",
+            "spark.speculation.minTaskRuntime": "1s",
+        },
+    }, log_path)
+    try:
+        result = _result(driver, log_path)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+    return {**result, "write_id": write_id}
+
+
+def test_speculation_ends_the_fenced_original_without_a_counted_failure(spark_cluster, kafka, make_topic,
+                                                                        tmp_path) -> None:
+    """Partition 0's first attempt is a straggler with rows in an open transaction; Spark runs a speculative
+    copy on the other Worker's host, which fences the original and finishes the partition. With
+    spark.task.maxFailures=1 the original must not fail: it ends killed, or with the copy's outcome."""
+    bit = False
+    for job in range(1, JOBS + 1):
+        topic = make_topic(partitions=3)
+        result = _speculated_job(spark_cluster, kafka, topic, log_path := tmp_path / f"driver-{job}.log")
+        v = verdict(_values(result["write_id"]), [m.value() for m in read_back(kafka.bootstrap_servers, topic)])
+        assert (v.acked, v.lost, v.duplicates) == (PARTITIONS * ROWS, 0, 0), (job, v)
+        tasks = result["tasks"]
+        # No attempt ended as a failure (the job would have been aborted at the first).
+        assert not [t for t in tasks if t["status"] == "FAILED"], tasks
+        original = [t for t in tasks if t["index"] == 0 and not t["speculative"]]
+        assert original and original[0]["status"] in ("KILLED", "SUCCESS"), original
+        # The fault bit: Spark ran a copy of partition 0 that finished it, and that copy fenced the
+        # original mid-transaction (its open transaction's rows are in the log, aborted). A copy that came
+        # before the original wrote, or none at all, re-arms with a fresh job.
+        copies = [t for t in tasks if t["index"] == 0 and t["speculative"]]
+        raw = read_back(kafka.bootstrap_servers, topic, isolation_level="read_uncommitted")
+        log.info("speculation job %d: partition 0 attempts %s; %d records in the log for %d rows", job,
+                 [(t["attempt"], t["status"], t["speculative"]) for t in tasks if t["index"] == 0], len(raw),
+                 PARTITIONS * ROWS)
+        bit = any(t["status"] == "SUCCESS" for t in copies) and len(raw) > PARTITIONS * ROWS
+        if bit:
+            break
+        log.warning("speculation job %d of %d: no copy fenced an open transaction of the original; running a "
+                    "fresh job", job, JOBS)
+    assert bit, f"no speculative copy fenced the straggler mid-write in {JOBS} jobs:\n{_tail(log_path)}"
+
+
+STREAM_ROWS = 40_000  # 10,000 a partition: 5 micro-batches of 2,000 a partition (8 Arrow batches each)
+STREAM_TRIGGER = 8_000
+STREAM_KILLS = 2
+
+
+def _fill(bootstrap: str, topic: str, tag: str) -> list[bytes]:
+    """STREAM_ROWS unique values spread over the topic's 4 partitions, every one acknowledged (acks=all)."""
+    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 20})
+    values = [f"{tag}-{i:08d}".ljust(VALUE_BYTES, "x").encode() for i in range(STREAM_ROWS)]
+    for i, value in enumerate(values):
+        producer.produce(topic, value, partition=i % PARTITIONS)
+        if i % 1000 == 0:
+            producer.poll(0)
+    assert producer.flush(60) == 0
+    return values
+
+
+def _killed_stream(spark_cluster: Any, kafka: Any, make_topic: Any, workdir: Path) -> dict[str, Any]:
+    """One streaming query on the cluster whose executors are SIGKILLed STREAM_KILLS times, each time while a
+    task holds an open transaction with rows in it. Returns the driver's result with the input's values,
+    the output topic and `kills` (how many landed before the query ended)."""
+    tag = f"stream-{uuid.uuid4().hex[:8]}"
+    source, output = make_topic(partitions=PARTITIONS), make_topic(partitions=PARTITIONS)
+    values = _fill(kafka.bootstrap_servers, source, tag)
+    cluster = spark_cluster.cluster
+    workdir.mkdir()
+    driver = spark_cluster.submit({
+        "bootstrap": kafka.bootstrap_servers, "ui_port": free_port(),
+        "stream": {"input": source, "output": output, "checkpoint": str(workdir / "checkpoint"),
+                   "max_offsets_per_trigger": STREAM_TRIGGER, "timeout_s": 300},
+        # Each task of a micro-batch passes its 8 Arrow batches (about 100 KB each) on a quarter of a second
+        # apart; a batch reaches the writer a few batches after it passed (faults.slow_attempts), so the
+        # writer holds rows in an open transaction for about a second of every task. (With 2 or 4 batches
+        # a task it got them all at the task's end, and the kills met only commits.)
+        "slow": [{"seconds_per_batch": 0.25, "attempts": None}],
+    }, log_path := workdir / "driver.log")
+    kills = 0
+    try:
+        with OffsetsProbe(kafka.bootstrap_servers) as offsets:
+            resolved = -1  # the output's stable offsets (summed) at the last kill
+            deadline = time.monotonic() + 300  # a bound for a broken run, not a wait
+            while kills < STREAM_KILLS and driver.poll() is None:
+                assert time.monotonic() < deadline, f"{kills} kill(s) within 300 s:\n{_tail(log_path)}"
+                executors = cluster.executor_pids()
+                # Past the last kill's transactions (a killed task's stays open until its retry fences it, and
+                # the abort moves the stable offset), a task of this run holds rows in an open transaction.
+                if (len(executors) == 2 and sum(offsets.end_offsets(output).values()) > resolved
+                        and offsets.uncommitted_records(output) > 0):
+                    for pid in executors:
+                        cluster.kill_executor(pid)
+                    kills += 1
+                    resolved = sum(offsets.end_offsets(output).values())
+                    log.info("stream kill %d: executors %s SIGKILLed", kills, sorted(executors))
+                else:
+                    time.sleep(0.1)
+        result = _result(driver, log_path)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+    return {**result, "values": values, "output": output, "kills": kills, "log_path": log_path}
+
+
+def test_exactly_once_stream_on_a_cluster_survives_executor_sigkills(spark_cluster, kafka, make_topic,
+                                                                     tmp_path) -> None:
+    """Our source and exactly_once sink on the standalone cluster, both executors SIGKILLed twice while a
+    micro-batch's task holds an open transaction: the output holds every input record once."""
+    bit = False
+    for job in range(1, JOBS + 1):
+        result = _killed_stream(spark_cluster, kafka, make_topic, tmp_path / f"job-{job}")
+        output = read_back(kafka.bootstrap_servers, result["output"])
+        v = verdict(result["values"], [m.value() for m in output])
+        assert (v.acked, v.lost, v.duplicates) == (STREAM_ROWS, 0, 0), (job, v)
+        assert result["rows"] >= STREAM_ROWS, result  # a replayed micro-batch is read again
+        assert result["module_files"] and all("reliable_kafka.zip" in f for f in result["module_files"]), result
+        # The fault bit: the killed tasks had written rows, which their transactions' abort left in the log
+        # (a sink without transactions would have kept them, and the retries' copies as well).
+        raw = read_back(kafka.bootstrap_servers, result["output"], isolation_level="read_uncommitted")
+        log.info("stream job %d: %d kills, %d records in the log for %d rows, micro-batches %s", job,
+                 result["kills"], len(raw), STREAM_ROWS, result["batches"])
+        bit = result["kills"] == STREAM_KILLS and len(raw) > STREAM_ROWS
+        if bit:
+            break
+        log.warning("stream job %d of %d: %d of %d kills landed mid-transaction; running a fresh query", job,
+                    JOBS, result["kills"], STREAM_KILLS)
+    assert bit, f"no stream took {STREAM_KILLS} kills mid-transaction in {JOBS} jobs:\n{_tail(result['log_path'])}"
