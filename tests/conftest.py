@@ -2,10 +2,11 @@
 
 `./dev test` runs three workers. The first two run everything; each that runs a cluster test starts its
 own 3-node cluster (a session fixture), so at most two clusters run at once (plus the doctor's weak one
-while its module runs). The third is a helper for the tail: it takes only unit-tier tests, and only
-once no cluster or Spark test is left to hand out. While the clusters run, the two cores are busy and a
-third worker would only starve the brokers; in the tail (the unit tier, much of it waiting on timeouts
-and child processes) the cores were 20-75 % busy with two workers.
+while its module runs). The third is a helper: while cluster or Spark tests are left to hand out it takes
+only the unit tests that wait on librdkafka's timers with little CPU (LIGHT_WAITS), then any unit-tier
+test. While the clusters run, the two cores are busy and a third worker running CPU-bound tests would only
+starve the brokers; in the tail (the unit tier, much of it waiting on timeouts and child processes) the
+cores were 20-75 % busy with two workers.
 How tests are handed out is decided here, by `Scheduling` below, not by xdist's `xdist_group` markers:
 with pytest 9.2, pytest-xdist 3.8 adds the group to a node id pytest no longer reads, so every marked
 test was handed out on its own and the groups this file once declared never held.
@@ -78,7 +79,12 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
         def _assign_work_unit(self, node: Any) -> None:
             if is_tail_helper(node.gateway.id) and not only_unit_tier(self.workqueue):
-                return  # woken by _reschedule() of another worker once the queue holds unit tests only
+                # While clusters run, a helper takes only tests that wait on timers with little CPU; with
+                # none left it is woken by _reschedule() of another worker once only unit tests are left.
+                early = next((unit for unit in self.workqueue if is_light_wait(unit)), None)
+                if early is None:
+                    return
+                self.workqueue.move_to_end(early, last=False)  # the unit super() pops next
             super()._assign_work_unit(node)
 
         def _reschedule(self, node: Any) -> None:
@@ -101,6 +107,27 @@ CLUSTER_WORKERS = 2  # workers that may run cluster and Spark tests; any further
 def is_tail_helper(worker_id: str) -> bool:
     """gw0 and gw1 run everything; gw2 and up only the unit tier's tail."""
     return int(worker_id.removeprefix("gw")) >= CLUSTER_WORKERS
+
+
+# Unit-tier tests marked `waits` whose seconds go to librdkafka's timers against its in-process mock cluster or
+# against no broker at all, with little CPU: the tail helper runs them from the start, beside the cluster
+# tests, instead of leaving them to the two cluster workers. (Not every `waits` test: test_service_crash's
+# uvicorn workers would take CPU from the brokers.) tests/unit/test_suite_layout.py checks that each is marked.
+LIGHT_WAITS = (
+    "tests/unit/test_transactions_mock.py::",
+    "tests/unit/test_producer_errors.py::",
+    "tests/unit/test_authorization_holds.py::",
+    "tests/unit/test_mock_cluster.py::",
+    "tests/unit/test_spark_writer_fenced.py::test_a_fenced_task_whose_produce_says_fatal_error_raises_transaction_fenced",
+    "tests/unit/test_spark_marker_release.py::test_release_tombstones_a_completed_write_and_a_stale_attempt_of_it_is_refused",
+    "tests/unit/test_cli.py::test_doctor_on_unreachable_brokers_fails_clearly",
+    "tests/unit/test_cli_connection.py::test_doctor_on_unreachable_brokers_with_a_login_never_prints_the_password",
+)
+
+
+def is_light_wait(unit: str) -> bool:
+    """Whether a unit is one of LIGHT_WAITS (a whole module's tests, or one test with its parameters)."""
+    return unit.startswith(LIGHT_WAITS)
 
 
 def only_unit_tier(units: Any) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.conftest import WHOLE_MODULES, is_tail_helper, only_unit_tier, unit_of
+from tests.conftest import LIGHT_WAITS, WHOLE_MODULES, is_light_wait, is_tail_helper, only_unit_tier, unit_of
 
 ROOT = Path(__file__).resolve().parents[2]
 _COSTLY_FIXTURE = re.compile(r"@pytest\.fixture\([^)]*scope=\"(module|package|class)\"")
@@ -33,3 +33,17 @@ def test_the_third_worker_waits_for_a_queue_of_unit_tests_only() -> None:
     assert not only_unit_tier(["tests/spark", "tests/unit/test_outbox.py::test_a"])
     assert not only_unit_tier(["tests/unit/test_outbox.py::test_a", "tests/integration/test_producer.py::test_b"])
     assert only_unit_tier(["tests/unit/test_outbox.py::test_a", "tests/unit/test_wheel_install.py"])
+
+
+def test_the_light_waits_the_helper_takes_early_are_unit_tests_marked_waits() -> None:
+    for entry in LIGHT_WAITS:
+        module, _, test = entry.partition("::")
+        assert module.startswith("tests/unit/"), entry
+        source = (ROOT / module).read_text()
+        if test:  # one test: the marker right above its def
+            assert re.search(rf"@pytest\.mark\.waits[^\n]*\ndef {test}\(", source), entry
+        else:  # a whole module: its pytestmark
+            assert re.search(r"^pytestmark = .*pytest\.mark\.waits", source, re.M), entry
+    assert is_light_wait("tests/unit/test_transactions_mock.py::test_x[1]")
+    assert not is_light_wait("tests/unit/test_service_crash.py::test_x")
+    assert not is_light_wait("tests/integration/test_producer.py::test_x")
