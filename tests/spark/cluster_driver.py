@@ -127,7 +127,8 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     spark.sparkContext.setLogLevel(spec.get("log_level", "WARN"))
     try:
         register(spark)
-        module_files = _module_file_on_executors(spark)
+        # Where the executors import the package from (a small job first; "probe": false leaves it out).
+        module_files = _module_file_on_executors(spark) if spec.get("probe", True) else []
         if "stream" in spec:
             return {**_stream(spark, spec), "module_files": module_files}
         df, _ = numbered_frame(spark, spec["write_id"], partitions=spec["partitions"],
@@ -143,10 +144,14 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
                             for s in job.stageIds})
         tasks = _tasks(spark, stage_ids)
         assert result.manifest is not None
-        # Our reader on the cluster: what its executors read of the topic, to hold against an independent read.
-        read = read_kafka(spark, spec["bootstrap"], subscribe=spec["topic"]).df.select("value").collect()
+        # Our reader on the cluster: what its executors read of the topic, to hold against an independent read
+        # ("read_back": false leaves it out).
+        read = None
+        if spec.get("read_back", True):
+            rows = read_kafka(spark, spec["bootstrap"], subscribe=spec["topic"]).df.select("value").collect()
+            read = values_digest([bytes(r.value) for r in rows])
         return {
-            "read": values_digest([bytes(r.value) for r in read]),
+            "read": read,
             "rows": result.manifest.rows,
             "partitions": {str(p): {"attempt": m.attempt, "rows_written": m.rows_written}
                            for p, m in result.manifest.partitions.items()},
