@@ -197,10 +197,19 @@ class LocalSparkCluster:
         return found
 
     def kill_executor(self, pid: int) -> None:
-        """SIGKILL one executor JVM (a machine's crash as its Worker sees it); its Worker starts a new one."""
+        """SIGKILL one executor JVM and every process it started (a machine's crash); its Worker starts a new one.
+
+        The JVM's descendants die with it: its pyspark daemon and Python workers. Killed alone, the JVM left
+        them running for a moment, and a writer that already held the rest of its input finished and
+        committed its partition after its executor was gone, so the kill met no write at all.
+        """
         if pid not in self.executor_pids():
             raise ClusterError(f"pid {pid} is not an executor of this cluster (executors: {self.executor_pids()})")
+        # Gathered before the kill: once the JVM is gone, its children belong to init.
+        family = _descendants(pid)
         self._kill_pid(pid)
+        for child in family:
+            self._kill_pid(child)
 
     def _kill_pid(self, pid: int) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -234,6 +243,16 @@ def _children(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             out += [int(p) for p in (task / "children").read_text().split()]
     return out
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, theirs, ...), nearest first."""
+    found, todo = [], _children(pid)
+    while todo:
+        child = todo.pop(0)
+        found.append(child)
+        todo += _children(child)
+    return found
 
 
 def _cmdline(pid: int) -> bytes:
