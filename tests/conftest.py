@@ -12,8 +12,7 @@ with pytest 9.2, pytest-xdist 3.8 adds the group to a node id pytest no longer r
 test was handed out on its own and the groups this file once declared never held.
 
 - The Spark tests are one unit: one worker runs all of them in one Spark session (two would need a
-  second JVM of about a gigabyte and its start-up, on a machine with two cores). The standalone-cluster
-  module is a unit of its own: it uses no local session.
+  second JVM of about a gigabyte and its start-up, on a machine with two cores).
 - A module whose fixture is module-scoped and costly (a second cluster, a built wheel) is one unit, so
   its fixture is built once, not on each worker that gets one of its tests.
 - Every other test is a unit of its own, handed to whichever worker is free: the workers finish within
@@ -46,17 +45,9 @@ WHOLE_MODULES = frozenset({
 })
 
 
-# The standalone-cluster tests run their jobs in driver processes of their own and need no local session: a
-# unit apart from the other Spark tests, so the two can run side by side on the two workers (together they
-# were one worker's 1,128 s while the other worker ran out of tests).
-SPARK_CLUSTER_MODULE = "tests/spark/test_cluster.py"
-
-
 def unit_of(nodeid: str) -> str:
     """The unit of work a test belongs to: every test in one unit runs on the same worker, in order."""
     path = nodeid.split("::", 1)[0]
-    if path == SPARK_CLUSTER_MODULE:
-        return path
     if path.startswith("tests/spark/"):
         return "tests/spark"
     if path in WHOLE_MODULES:

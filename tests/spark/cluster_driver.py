@@ -3,8 +3,7 @@
 A process holds one SparkContext, and the test process already holds the local session, so a job on
 the cluster gets a driver of its own. It is set up the way docs/spark.md ("Running on a cluster")
 tells users to: the package shipped to the executors as a zip (spark.submit.pyFiles, what --py-files
-sets) and the executors' Python named by PYSPARK_PYTHON. It prints one JSON line: what the write did. With a
-"stream" entry the job is a Structured Streaming query instead of a batch write (`_stream`).
+sets) and the executors' Python named by PYSPARK_PYTHON. It prints one JSON line: what the write did.
 """
 
 from __future__ import annotations
@@ -65,34 +64,6 @@ def values_digest(values: list[bytes]) -> dict[str, Any]:
     return {"rows": len(values), "distinct": len(set(values)), "sha256": digest.hexdigest()}
 
 
-def _stream(spark: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    """A Structured Streaming query, Kafka to Kafka through a slowed stage, our source and exactly_once sink,
-    run with Trigger.AvailableNow over what the input holds: {"query_id", "rows", "batches"}."""
-    from reliable_kafka.spark import FORMAT
-    from reliable_kafka.spark.faults import slow_attempts
-
-    stream = spec["stream"]
-    source = (spark.readStream.format(FORMAT).option("kafka.bootstrap.servers", spec["bootstrap"])
-              .option("subscribe", stream["input"]).option("startingOffsets", "earliest")
-              .option("maxOffsetsPerTrigger", str(stream["max_offsets_per_trigger"])).load())
-    df = source.select("key", "value")
-    if spec.get("slow"):
-        df = slow_attempts(df, *_slow_rules(spec))
-    query = (df.writeStream.format(FORMAT).option("kafka.bootstrap.servers", spec["bootstrap"])
-             .option("topic", stream["output"]).option("guarantee", "exactly_once")
-             .option("checkpointLocation", stream["checkpoint"]).trigger(availableNow=True).start())
-    if not query.awaitTermination(stream.get("timeout_s", 300)):
-        query.stop()
-        raise TimeoutError(f"the stream did not end within {stream.get('timeout_s', 300)}s")
-    if query.exception() is not None:
-        raise RuntimeError(f"the query failed: {query.exception()}")
-    return {
-        "query_id": str(query.id),
-        "rows": sum(int(p.get("numInputRows", 0)) for p in query.recentProgress),
-        "batches": sorted({int(p["batchId"]) for p in query.recentProgress if p.get("numInputRows", 0) > 0}),
-    }
-
-
 def main(spec: dict[str, Any]) -> dict[str, Any]:
     # The executors' Python: an interpreter every node has at this path, with pyspark, pyarrow and
     # confluent-kafka installed (reliable_kafka itself comes in the zip).
@@ -129,8 +100,6 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
         register(spark)
         # Where the executors import the package from (a small job first; "probe": false leaves it out).
         module_files = _module_file_on_executors(spark) if spec.get("probe", True) else []
-        if "stream" in spec:
-            return {**_stream(spark, spec), "module_files": module_files}
         df, _ = numbered_frame(spark, spec["write_id"], partitions=spec["partitions"],
                                rows_per_partition=spec["rows_per_partition"], value_bytes=spec.get("value_bytes", 0))
         if spec.get("slow"):

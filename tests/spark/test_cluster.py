@@ -1,5 +1,6 @@
-"""exactly_once on a real Spark standalone cluster: the executor JVMs SIGKILLed mid-write; nothing lost, nothing
-duplicated.
+"""exactly_once on a real Spark standalone cluster: the executors SIGKILLed mid-write, and a straggler that
+speculation runs a copy of on the other Worker's host; nothing lost, nothing duplicated, and no failure counted
+against the job for the copy's fencing.
 
 Each job runs in a driver process of its own against the `spark_cluster` fixture (Master + 2 Workers on
 127.0.0.2 and 127.0.0.3), set up as docs/spark.md "Running on a cluster" says; the fault is injected once
@@ -9,21 +10,21 @@ fault missed is run again.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from confluent_kafka import Producer
 
 from reliable_kafka.spark.markers import MarkerTopic, PartitionMarker, partition_key
 from reliable_kafka.spark.options import DEFAULT_MARKER_TOPIC
 from reliable_kafka.testing import free_port
-from reliable_kafka.testing.offsets_probe import OffsetsProbe
 from reliable_kafka.testing.verify import verdict
 from tests.spark.cluster_driver import values_digest
 from tests.spark.jobs import read_back
@@ -35,8 +36,9 @@ log = logging.getLogger(__name__)
 PARTITIONS = 4
 ROWS = 2_000  # per partition: 8 Arrow batches of 250 rows
 # 250 rows of 400 bytes make an Arrow batch of about 100 KB, more than the 64 KB in which PySpark passes a
-# Python worker's output on: the writer gets each batch as the slowed stage lets it go, so its markers move
-# batch by batch (with 22-byte values it got a partition's 8 batches at once, at the end).
+# Python worker's output on: the writer gets the batches while the slowed stage makes them, a few behind
+# (see faults.slow_attempts), so its markers move during the task (with 22-byte values it got a
+# partition's 8 batches at once, at the end).
 VALUE_BYTES = 400
 
 
@@ -53,6 +55,25 @@ def _result(driver: subprocess.Popen[str], log_path: Path, timeout: float = 300.
         pytest.fail(f"the cluster job did not end within {timeout:.0f}s; driver said:\n{_tail(log_path)}")
     assert driver.returncode == 0, f"the cluster job failed (exit {driver.returncode}):\n{_tail(log_path)}"
     return dict(json.loads(out.strip().splitlines()[-1]))
+
+
+@contextlib.contextmanager
+def _job(spark_cluster: Any, spec: dict[str, Any], log_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """A cluster job's driver process, SIGKILLed on the way out if it still runs (a test that failed while
+    it waited on the job)."""
+    driver = spark_cluster.submit(spec, log_path)
+    try:
+        yield driver
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.communicate()
+
+
+def _kill_executors(cluster: Any, executors: dict[int, str]) -> None:
+    """SIGKILL both executors (each with its Python workers): whichever writes the partition in question dies."""
+    for pid in executors:
+        cluster.kill_executor(pid)
 
 
 def _tail(log_path: Path, chars: int = 6000) -> str:
@@ -75,13 +96,12 @@ def _one_job(spark_cluster: Any, kafka: Any, topic: str, markers: MarkerTopic, l
     cluster = spark_cluster.cluster
     # Every attempt passes a batch on every 0.25 s: a partition takes about 2 s, long enough to be
     # caught with rows committed and the rest still to come.
-    driver = spark_cluster.submit({
+    killed = False
+    with _job(spark_cluster, {
         "bootstrap": kafka.bootstrap_servers, "topic": topic, "write_id": write_id, "ui_port": free_port(),
         "partitions": PARTITIONS, "rows_per_partition": ROWS, "value_bytes": VALUE_BYTES,
         "options": {"chunkRows": "500"}, "slow": [{"seconds_per_batch": 0.25, "attempts": None}],
-    }, log_path)
-    killed = False
-    try:
+    }, log_path) as driver:
         keys = [partition_key(write_id, p) for p in range(PARTITIONS)]
         # A bound for a broken run, not a wait: on a loaded two-core host the cluster job took 80 s to
         # reach its write stage (driver and executor JVMs, Python workers booting in 5-6 s each).
@@ -97,16 +117,11 @@ def _one_job(spark_cluster: Any, kafka: Any, topic: str, markers: MarkerTopic, l
             # partitions at once, one per executor, let the window pass in CI: one executor's Python
             # worker booted late and the other had written its share before.)
             if in_flight and len(executors) == 2:
-                for pid in executors:
-                    cluster.kill_executor(pid)
+                _kill_executors(cluster, executors)
                 killed = True
             else:
                 time.sleep(0.1)
         result = _result(driver, log_path)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.communicate()
     return {**result, "write_id": write_id, "killed": killed}
 
 
@@ -139,7 +154,7 @@ def test_exactly_once_on_a_cluster_survives_executor_sigkills(spark_cluster, kaf
 def _speculated_job(spark_cluster: Any, kafka: Any, topic: str, log_path: Path) -> dict[str, Any]:
     """One job whose partition 0 is a straggler mid-write when Spark starts a speculative copy of it."""
     write_id = f"spec-{uuid.uuid4().hex[:8]}"
-    driver = spark_cluster.submit({
+    with _job(spark_cluster, {
         "bootstrap": kafka.bootstrap_servers, "topic": topic, "write_id": write_id, "ui_port": free_port(),
         "partitions": PARTITIONS, "rows_per_partition": ROWS, "value_bytes": VALUE_BYTES,
         # One transaction per partition (a chunk is all its rows, or 19 s, under a third of the transaction
@@ -161,13 +176,8 @@ def _speculated_job(spark_cluster: Any, kafka: Any, topic: str, log_path: Path) 
             "spark.speculation.multiplier": "1.5",
             "spark.speculation.minTaskRuntime": "1s",
         },
-    }, log_path)
-    try:
+    }, log_path) as driver:
         result = _result(driver, log_path)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.communicate()
     return {**result, "write_id": write_id}
 
 
@@ -201,93 +211,3 @@ def test_speculation_ends_the_fenced_original_without_a_counted_failure(spark_cl
         log.warning("speculation job %d of %d: no copy fenced an open transaction of the original; running a "
                     "fresh job", job, JOBS)
     assert bit, f"no speculative copy fenced the straggler mid-write in {JOBS} jobs:\n{_tail(log_path)}"
-
-
-STREAM_ROWS = 24_000  # 6,000 a partition: 3 micro-batches of 2,000 a partition (8 Arrow batches each)
-STREAM_TRIGGER = 8_000
-# One kill: on the loaded two-core host an executor's relaunch (JVM, Python workers) took 25-40 s, and each
-# micro-batch after it shows the query going on from the retried one.
-STREAM_KILLS = 1
-
-
-def _fill(bootstrap: str, topic: str, tag: str) -> list[bytes]:
-    """STREAM_ROWS unique values spread over the topic's 4 partitions, every one acknowledged (acks=all)."""
-    producer = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "linger.ms": 20})
-    values = [f"{tag}-{i:08d}".ljust(VALUE_BYTES, "x").encode() for i in range(STREAM_ROWS)]
-    for i, value in enumerate(values):
-        producer.produce(topic, value, partition=i % PARTITIONS)
-        if i % 1000 == 0:
-            producer.poll(0)
-    assert producer.flush(60) == 0
-    return values
-
-
-def _killed_stream(spark_cluster: Any, kafka: Any, make_topic: Any, workdir: Path) -> dict[str, Any]:
-    """One streaming query on the cluster whose executors are SIGKILLed STREAM_KILLS times, each time while a
-    task holds rows in an open transaction. Returns the driver's result with the input's values, the output
-    topic and `kills` (how many landed before the query ended)."""
-    tag = f"stream-{uuid.uuid4().hex[:8]}"
-    source, output = make_topic(partitions=PARTITIONS), make_topic(partitions=PARTITIONS)
-    values = _fill(kafka.bootstrap_servers, source, tag)
-    cluster = spark_cluster.cluster
-    workdir.mkdir()
-    driver = spark_cluster.submit({
-        "bootstrap": kafka.bootstrap_servers, "ui_port": free_port(), "probe": False,
-        "stream": {"input": source, "output": output, "checkpoint": str(workdir / "checkpoint"),
-                   "max_offsets_per_trigger": STREAM_TRIGGER, "timeout_s": 300},
-        # Each task of a micro-batch passes its 8 Arrow batches (about 100 KB each) on a quarter of a second
-        # apart; a batch reaches the writer a few batches after it passed (faults.slow_attempts), so the
-        # writer holds rows in an open transaction for about a second of every task. (With 2 or 4 batches
-        # a task it got them all at the task's end, and the kills met only commits.)
-        "slow": [{"seconds_per_batch": 0.25, "attempts": None}],
-    }, log_path := workdir / "driver.log")
-    kills = 0
-    try:
-        with OffsetsProbe(kafka.bootstrap_servers) as offsets:
-            resolved = -1  # the output's stable offsets (summed) at the last kill
-            deadline = time.monotonic() + 300  # a bound for a broken run, not a wait
-            while kills < STREAM_KILLS and driver.poll() is None:
-                assert time.monotonic() < deadline, f"{kills} kill(s) within 300 s:\n{_tail(log_path)}"
-                executors = cluster.executor_pids()
-                # Past the last kill's transactions (a killed task's stays open until its retry fences it, and
-                # the abort moves the stable offset), a task of this run holds rows in an open transaction.
-                if (len(executors) == 2 and sum(offsets.end_offsets(output).values()) > resolved
-                        and offsets.uncommitted_records(output) > 0):
-                    for pid in executors:
-                        cluster.kill_executor(pid)
-                    kills += 1
-                    resolved = sum(offsets.end_offsets(output).values())
-                    log.info("stream kill %d: executors %s SIGKILLed", kills, sorted(executors))
-                else:
-                    time.sleep(0.1)
-        result = _result(driver, log_path)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.communicate()
-    return {**result, "values": values, "output": output, "kills": kills, "log_path": log_path}
-
-
-def test_exactly_once_stream_on_a_cluster_survives_executor_sigkills(spark_cluster, kafka, make_topic,
-                                                                     tmp_path) -> None:
-    """Our source and exactly_once sink on the standalone cluster, both executors SIGKILLed while a
-    micro-batch's task holds an open transaction: the output holds every input record once."""
-    bit = False
-    for job in range(1, JOBS + 1):
-        result = _killed_stream(spark_cluster, kafka, make_topic, tmp_path / f"job-{job}")
-        output = read_back(kafka.bootstrap_servers, result["output"])
-        v = verdict(result["values"], [m.value() for m in output])
-        assert (v.acked, v.lost, v.duplicates) == (STREAM_ROWS, 0, 0), (job, v)
-        assert result["rows"] >= STREAM_ROWS, result  # a replayed micro-batch is read again
-        # The fault bit: the killed tasks had written rows, which their transactions' abort left in the log
-        # (a sink without transactions would have kept them, and the retries' copies as well).
-        raw = read_back(kafka.bootstrap_servers, result["output"], isolation_level="read_uncommitted")
-        log.info("stream job %d: %d kills, %d records in the log for %d rows, micro-batches %s", job,
-                 result["kills"], len(raw), STREAM_ROWS, result["batches"])
-        bit = result["kills"] == STREAM_KILLS and len(raw) > STREAM_ROWS
-        if bit:
-            break
-        log.warning("stream job %d of %d: %d of %d kills landed mid-transaction; running a fresh query", job,
-                    JOBS, result["kills"], STREAM_KILLS)
-    assert bit, f"no stream took {STREAM_KILLS} kills mid-transaction in {JOBS} jobs:\n{_tail(result['log_path'])}"
-

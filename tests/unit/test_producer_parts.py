@@ -176,8 +176,11 @@ def test_a_broker_size_refusal_is_judged_off_the_callback_and_fails_only_the_ove
     mock.create_topic(topic, partitions=1, replication_factor=3)
     guard, spool = SizeJudge(), NoScan()
     failed: list[OutboxRow] = []
-    d = Dispatcher({"bootstrap.servers": mock.bootstrap_servers, "linger.ms": 50}, spool, guard,
-                   max_in_flight=1_000, send_timeout_s=5, on_failed=failed.append)
+    # The five rows go out as one batch, the one the broker refuses: librdkafka sends a batch once it holds
+    # batch.num.messages, and the long linger keeps it from sending fewer. (With linger.ms=50 a hand-over
+    # descheduled on a loaded host sent m-0 alone, and only m-0 was refused and judged.)
+    d = Dispatcher({"bootstrap.servers": mock.bootstrap_servers, "linger.ms": 2000, "batch.num.messages": 5},
+                   spool, guard, max_in_flight=1_000, send_timeout_s=5, on_failed=failed.append)
     assert d.start() == 0
     try:
         # The broker refuses the whole batch for one record; only that one is too large by itself.

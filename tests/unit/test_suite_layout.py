@@ -23,9 +23,6 @@ def test_every_module_with_a_module_scoped_fixture_runs_whole_on_one_worker() ->
 
 def test_the_spark_tests_are_one_unit_and_other_tests_their_own() -> None:
     assert unit_of("tests/spark/test_reader.py::test_a") == unit_of("tests/spark/test_rerun.py::test_b")
-    # ... but the standalone-cluster module (drivers of its own, no local session), whole, beside them.
-    assert unit_of("tests/spark/test_cluster.py::test_a") == unit_of("tests/spark/test_cluster.py::test_b")
-    assert unit_of("tests/spark/test_cluster.py::test_a") != unit_of("tests/spark/test_reader.py::test_a")
     producer = "tests/integration/test_producer.py"
     assert unit_of(f"{producer}::test_a") != unit_of(f"{producer}::test_b")
     assert unit_of("tests/unit/test_outbox.py::test_a[1]") == "tests/unit/test_outbox.py::test_a[1]"
