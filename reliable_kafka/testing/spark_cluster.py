@@ -38,6 +38,44 @@ def spark_home() -> Path:
     return Path(pyspark.__file__).resolve().parent
 
 
+def package_zip(dest_dir: str | os.PathLike[str]) -> Path:
+    """reliable_kafka as a zip for `spark.submit.pyFiles` (docs/spark.md "Running on a cluster"): the executors
+    import the package from it, the compiled confluent-kafka and pyarrow from the interpreter every node has."""
+    import reliable_kafka
+
+    package = Path(reliable_kafka.__file__).resolve().parent
+    return Path(shutil.make_archive(str(Path(dest_dir) / "reliable_kafka"), "zip", root_dir=package.parent,
+                                    base_dir=package.name))
+
+
+def driver_conf(master_url: str, py_files: str | os.PathLike[str], *, ui_port: int | None = None,
+                jvm_options: Sequence[str] = (), tmpdir: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """The settings of a driver process on this machine that runs its jobs on a LocalSparkCluster.
+
+    The package ships as a zip (package_zip()); the driver binds loopback; the executors take 1 core and
+    512 MB, so each Worker (1 core, 1 GB) holds one. `ui_port` turns the driver's UI on (its REST API says
+    how each task attempt ended). `tmpdir` becomes java.io.tmpdir of the driver and of the executors: a
+    SIGKILLed JVM runs no shutdown hook, and left its native libraries (liblz4-java-*.so) in /tmp.
+    """
+    java = list(jvm_options) + ([f"-Djava.io.tmpdir={tmpdir}"] if tmpdir is not None else [])
+    conf = {
+        "spark.master": master_url,
+        "spark.submit.pyFiles": str(py_files),
+        "spark.driver.host": "127.0.0.1",
+        "spark.driver.bindAddress": "127.0.0.1",
+        "spark.driver.memory": "512m",
+        "spark.executor.memory": "512m",
+        "spark.executor.cores": "1",
+        "spark.ui.enabled": "false" if ui_port is None else "true",
+        "spark.ui.showConsoleProgress": "false",
+    }
+    if ui_port is not None:
+        conf["spark.ui.port"] = str(ui_port)
+    if java:
+        conf["spark.driver.extraJavaOptions"] = conf["spark.executor.extraJavaOptions"] = " ".join(java)
+    return conf
+
+
 @dataclass
 class SparkDaemon:
     """One Master or Worker JVM."""

@@ -75,23 +75,18 @@ def main(spec: dict[str, Any]) -> dict[str, Any]:
     from reliable_kafka.spark.api import register
     from reliable_kafka.spark.faults import slow_attempts
     from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS
+    from reliable_kafka.testing.spark_cluster import driver_conf
     from tests.spark.jobs import numbered_frame
 
-    builder = (
-        SparkSession.builder.master(spec["master"]).appName(spec.get("app", "reliable-kafka-cluster-test"))
-        .config("spark.submit.pyFiles", spec["py_files"])
-        .config("spark.driver.host", "127.0.0.1").config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.memory", "512m")
-        .config("spark.executor.memory", "512m").config("spark.executor.cores", "1")
-        # The UI's REST API tells how each task attempt ended (killed is not failed).
-        .config("spark.ui.enabled", "true").config("spark.ui.port", str(spec["ui_port"]))
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "250")
-        # The JIT's first tier only, as for the suite's other JVMs (QUICK_START_JVM_OPTIONS): the driver and
-        # each executor (a killed one's replacement too) start a JVM for a small job, on two busy cores.
-        .config("spark.driver.extraJavaOptions", " ".join(QUICK_START_JVM_OPTIONS))
-        .config("spark.executor.extraJavaOptions", " ".join(QUICK_START_JVM_OPTIONS))
-    )
+    # What docs/spark.md "Running on a cluster" says a driver sets (the zip, loopback), the UI on (its REST API
+    # tells how each task attempt ended: killed is not failed), and the JIT's first tier only, as for the
+    # suite's other JVMs (QUICK_START_JVM_OPTIONS): the driver and each executor (a killed one's replacement
+    # too) start a JVM for a small job, on two busy cores.
+    conf = driver_conf(spec["master"], spec["py_files"], ui_port=spec["ui_port"], jvm_options=QUICK_START_JVM_OPTIONS,
+                       tmpdir=spec.get("tmpdir"))
+    builder = SparkSession.builder.appName(spec.get("app", "reliable-kafka-cluster-test"))
+    for key, value in {**conf, "spark.sql.execution.arrow.maxRecordsPerBatch": "250"}.items():
+        builder = builder.config(key, value)
     for key, value in spec.get("conf", {}).items():
         builder = builder.config(key, str(value))
     spark = builder.getOrCreate()

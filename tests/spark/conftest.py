@@ -75,11 +75,12 @@ class SparkClusterForTests:
 
     cluster: Any  # LocalSparkCluster
     py_files: str
+    tmpdir: str  # the JVMs' java.io.tmpdir (a SIGKILLed executor leaves its native libraries there)
 
     def submit(self, spec: dict[str, Any], log_path: Path) -> subprocess.Popen[str]:
         """Run tests/spark/cluster_driver.py with `spec` as a driver process of its own (see its docstring);
         its log (Spark's, at WARN, and ours) goes to `log_path`."""
-        full = {"master": self.cluster.master_url, "py_files": self.py_files, **spec}
+        full = {"master": self.cluster.master_url, "py_files": self.py_files, "tmpdir": self.tmpdir, **spec}
         with open(log_path, "w") as log:
             return subprocess.Popen([sys.executable, "-m", "tests.spark.cluster_driver", json.dumps(full)],
                                     stdout=subprocess.PIPE, stderr=log, text=True, cwd=_REPO)
@@ -100,13 +101,11 @@ def spark_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SparkClu
         missing("java", "install a Java 17+ runtime (Spark needs it)")
     if importlib.util.find_spec("pyspark") is None or importlib.util.find_spec("pyarrow") is None:
         missing("pyspark and pyarrow", "pip install -e '.[spark]'")
-    import reliable_kafka
     from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS
-    from reliable_kafka.testing.spark_cluster import LocalSparkCluster
+    from reliable_kafka.testing.spark_cluster import LocalSparkCluster, package_zip
 
-    package = Path(reliable_kafka.__file__).resolve().parent
-    zipped = shutil.make_archive(str(tmp_path_factory.mktemp("py-files") / "reliable_kafka"), "zip",
-                                 root_dir=package.parent, base_dir=package.name)
+    zipped = str(package_zip(tmp_path_factory.mktemp("py-files")))
+    tmpdir = str(tmp_path_factory.mktemp("spark-jvm-tmp"))
     with LocalSparkCluster(workers=2, worker_cores=1, worker_memory_mb=1024,
                            jvm_options=QUICK_START_JVM_OPTIONS, env={"PYTHONPATH": ""}) as cluster:
-        yield SparkClusterForTests(cluster, zipped)
+        yield SparkClusterForTests(cluster, zipped, tmpdir)
