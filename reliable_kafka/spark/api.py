@@ -18,11 +18,13 @@ from typing import Any
 from pyspark.sql import DataFrame, SparkSession
 
 from reliable_kafka.errors import ConfigError, WriteRefused
+from reliable_kafka.spark.jvm_sink import jvm_sink_refusal, write_with_jvm_sink
 from reliable_kafka.spark.markers import Manifest, MarkerTopic, manifest_key
 from reliable_kafka.spark.options import (
     AT_LEAST_ONCE,
     DEFAULT_MARKER_TOPIC,
     EXACTLY_ONCE,
+    WriterOptions,
     reader_options,
     writer_options,
 )
@@ -42,6 +44,9 @@ class WriteResult:
     write_id: str
     guarantee: str
     manifest: Manifest | None  # exactly_once: what the completed write id holds
+    # Which writer wrote the rows: "python" (format("reliable_kafka"), a producer per task) or "jvm"
+    # (at_least_once through Spark's own Kafka sink, see spark/jvm_sink.py).
+    path: str = "python"
 
     @property
     def rows(self) -> int | None:
@@ -57,11 +62,17 @@ def write_kafka(
     write_id: str | None = None,
     num_partitions: int | None = None,
     options: Mapping[str, Any] | None = None,
+    write_path: str = "auto",
 ) -> WriteResult:
     """df.write.format("reliable_kafka").save() with the options spelled as arguments.
 
     For exactly_once the partition count is taken from the DataFrame unless given (with adaptive
     query execution and a shuffle, finding it runs the shuffle once: pass num_partitions to avoid it).
+
+    write_path: "auto" writes at_least_once through Spark's own Kafka sink, rk-ids computed in Spark SQL
+    (no row passes through Python: several times faster), whenever that gives the same result (see
+    spark/jvm_sink.py; it logs why not), else through format("reliable_kafka"); "jvm" insists (ConfigError
+    saying why it cannot), "python" always takes format("reliable_kafka").
     """
     register(df.sparkSession)
     opts: dict[str, str] = {"kafka.bootstrap.servers": bootstrap_servers, "guarantee": guarantee}
@@ -74,6 +85,13 @@ def write_kafka(
     opts.update({k: str(v) for k, v in (options or {}).items()})
     parsed = writer_options(opts)  # refuse bad options here, with the caller's stack
     opts["write_id"] = parsed.write_id  # at_least_once: keep a generated id to report it
+    if _takes_jvm_sink(df.sparkSession, parsed, write_path):
+        try:
+            write_with_jvm_sink(df, parsed)
+        except Exception as exc:
+            _raise_ours(exc)
+            raise
+        return WriteResult(parsed.write_id, parsed.guarantee, None, path="jvm")
     try:
         df.write.format(FORMAT).options(**opts).mode("append").save()
     except Exception as exc:
@@ -81,6 +99,23 @@ def write_kafka(
         raise
     manifest = read_manifest(parsed.kafka, parsed.write_id, parsed.marker_topic) if guarantee == EXACTLY_ONCE else None
     return WriteResult(parsed.write_id, parsed.guarantee, manifest)
+
+
+WRITE_PATHS = ("auto", "jvm", "python")
+
+
+def _takes_jvm_sink(spark: SparkSession, options: WriterOptions, write_path: str) -> bool:
+    if write_path not in WRITE_PATHS:
+        raise ConfigError("write_path", f"{write_path!r} is not one of {', '.join(WRITE_PATHS)}")
+    if write_path == "python":
+        return False
+    refusal = jvm_sink_refusal(spark, options)
+    if refusal is not None and write_path == "jvm":
+        raise ConfigError("write_path", f"'jvm' cannot take this write: {refusal}; use write_path='auto' or 'python'")
+    if refusal is not None and options.guarantee == AT_LEAST_ONCE:
+        log.info("write %s: at_least_once through format(%r), not Spark's own sink: %s", options.write_id, FORMAT,
+                 refusal)
+    return refusal is None
 
 
 # Spark reports a task's or the driver's Python exception as text inside its own exception type.

@@ -72,7 +72,10 @@ def test_exactly_once_first_attempts_fail_and_nothing_is_lost_or_duplicated(spar
 
 
 @pytest.mark.parametrize("fault", ["upstream_failure", "failure_after_delivery"])
-def test_at_least_once_retries_lose_nothing_and_copies_share_their_rk_id(spark, kafka, make_topic, fault) -> None:
+def test_at_least_once_retries_lose_nothing_and_copies_share_their_rk_id(spark, kafka_connector, kafka, make_topic,
+                                                                        fault) -> None:
+    """Upstream failures through Spark's own sink (write_path="auto" takes it), the failure after delivery
+    (injected in the Python writer) through format("reliable_kafka")."""
     topic = make_topic(partitions=3)
     write_id = f"alo-{uuid.uuid4().hex[:8]}"
     df, values = numbered_frame(spark, write_id)
@@ -82,7 +85,9 @@ def test_at_least_once_retries_lose_nothing_and_copies_share_their_rk_id(spark, 
     else:
         options["test.failFirstAttemptAfterRows"] = "-1"
 
-    write_kafka(df, kafka.bootstrap_servers, topic, guarantee="at_least_once", write_id=write_id, options=options)
+    result = write_kafka(df, kafka.bootstrap_servers, topic, guarantee="at_least_once", write_id=write_id,
+                         options=options)
+    assert result.path == ("jvm" if fault == "upstream_failure" else "python")
 
     messages = read_back(kafka.bootstrap_servers, topic)
     v = verdict(values, [m.value() for m in messages])
