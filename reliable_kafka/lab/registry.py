@@ -20,6 +20,7 @@ _SOURCES = [
     ("reliable_kafka.lab.eos_copier_bounce", "SCENARIO"),
     ("reliable_kafka.lab.spark_task_retry", "SCENARIO"),
     ("reliable_kafka.lab.spark_stream_driver_kill", "SCENARIO"),
+    ("reliable_kafka.lab.spark_stream_executor_kill", "SCENARIO"),
 ]
 
 

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,12 +114,14 @@ class StreamDriver:
     and starts it again on the same checkpoint. Only that session's processes are ever signalled."""
 
     def __init__(self, mode: str, connection: Connection, input_topic: str, output_topic: str,
-                 workdir: Path) -> None:
+                 workdir: Path, *, max_offsets_per_trigger: int = MAX_OFFSETS_PER_TRIGGER,
+                 extra_args: Sequence[str] = ()) -> None:
         self.mode = mode
         self.workdir = workdir
         self.checkpoint = workdir / "checkpoint"
         self._args = ["--mode", mode, "--input", input_topic, "--output", output_topic,
-                      "--checkpoint", str(self.checkpoint), "--max-offsets-per-trigger", str(MAX_OFFSETS_PER_TRIGGER)]
+                      "--checkpoint", str(self.checkpoint), "--max-offsets-per-trigger", str(max_offsets_per_trigger),
+                      *extra_args]
         tmp = workdir / "tmp"
         tmp.mkdir()
         env = child_env(connection)
@@ -225,6 +228,11 @@ class Checkpoint:
         end = self.planned_end(batches[-1]) if batches else None
         return end or 0
 
+    def committed_end(self) -> int:
+        """The input offsets (summed) up to which Spark committed output: 0 before the first commit."""
+        latest = self.latest_commit()
+        return (self.planned_end(latest) or 0) if latest >= 0 else 0
+
 
 @dataclass(frozen=True)
 class Kill:
@@ -288,10 +296,12 @@ class InFlightGate:
 
 class Feed:
     """The pipeline's input: unique values into `topic` from an acks=all idempotent producer; `acked` is
-    what its delivery reports confirmed, the set the output must hold exactly once."""
+    what its delivery reports confirmed, the set the output must hold exactly once. Values are padded to
+    `value_bytes` (0: as numbered)."""
 
-    def __init__(self, connection: Connection, topic: str) -> None:
+    def __init__(self, connection: Connection, topic: str, value_bytes: int = 0) -> None:
         self.topic = topic
+        self.value_bytes = value_bytes
         self.acked: list[bytes] = []
         self._sent = 0
         self._producer = Producer({**connection, "acks": "all", "enable.idempotence": True, "linger.ms": 5})
@@ -306,8 +316,8 @@ class Feed:
     def feed(self, n: int) -> None:
         with self._lock:
             for i in range(self._sent, self._sent + n):
-                produce_when_room(self._producer, self.topic, f"{self.topic}-{i:08d}".encode(),
-                                  on_delivery=self._delivered)
+                value = f"{self.topic}-{i:08d}".ljust(self.value_bytes, "x").encode()
+                produce_when_room(self._producer, self.topic, value, on_delivery=self._delivered)
             self._sent += n
             if self._producer.flush(60):
                 raise RuntimeError(f"feeding {self.topic}: records still undelivered after 60s")
