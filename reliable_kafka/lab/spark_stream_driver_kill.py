@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,8 +244,9 @@ class Kill:
 class InFlightGate:
     """The moment a driver kill bites: a micro-batch is mid-write and not committed, input remains.
 
-    Ready when (1) a micro-batch committed since the driver's restart (so it made progress, and the batch
-    it replayed is done), (2) the next batch is planned, (3) input remains beyond it, (4) the output topic
+    Ready when (0) the fault's own condition holds (`_armed`: a subclass's), (1) a micro-batch committed
+    since the gate was made, at the driver's restart (so it made progress, and the batch it replayed is
+    done), (2) the next batch is planned, (3) input remains beyond it, (4) the output topic
     grew past what it held when the last commit was seen (read after that commit appeared, so all of it is
     output of committed batches or more: growth past it is the planned batch's output) and (5) Spark has not
     committed that batch, looked at last, right before the kill.
@@ -263,9 +264,23 @@ class InFlightGate:
     def _output_total(self) -> int:
         return sum(self._probe.high_watermarks(self._output).values())
 
+    # What a kill that landed does to the batch, for the log.
+    LANDED = "not committed: it will be replayed"
+
+    def _armed(self) -> bool:
+        """A condition of the fault's own, checked before the batch's (the driver kill has none)."""
+        return True
+
+    def _strike(self) -> str:
+        """Fire the fault; says what it hit."""
+        self._driver.kill()
+        return "driver SIGKILLed"
+
     def ready(self) -> bool:
         if (code := self._driver.exit_code()) is not None:
             raise RuntimeError(f"the {self._driver.mode} driver exited ({code}) before its kill")
+        if not self._armed():
+            return False
         latest = self._checkpoint.latest_commit()
         if latest <= self._since:
             return False
@@ -282,12 +297,11 @@ class InFlightGate:
         return True
 
     def kill(self) -> Kill:
-        self._driver.kill()
+        what = self._strike()
         written = self._output_total() - self._base
         kill = Kill(self.batch, written, landed=not self._checkpoint.committed(self.batch))
-        log.info("%s driver SIGKILLed with micro-batch %d in flight (%d output offsets written, %s)",
-                 self._driver.mode, kill.batch, kill.written,
-                 "not committed: it will be replayed" if kill.landed else "committed just before the kill")
+        log.info("%s: %s with micro-batch %d in flight (%d output offsets written, %s)", self._driver.mode, what,
+                 kill.batch, kill.written, self.LANDED if kill.landed else "committed just before the kill")
         return kill
 
 
@@ -323,53 +337,91 @@ class Feed:
                 raise RuntimeError(f"feeding {self.topic}: records still undelivered after 60s")
 
 
+def fed_topics(cluster: LocalKafkaCluster, name: str, client: str, partitions: int, first_feed: int,
+               progress: Progress, at: float, value_bytes: int = 0) -> tuple[str, str, Feed]:
+    """A pipeline's input and output topics, and its feed with the first records in the input."""
+    input_topic, output_topic = topic_name(name, f"{client}-in"), topic_name(name, client)
+    cluster.create_topic(input_topic, partitions)
+    cluster.create_topic(output_topic, partitions)
+    feed = Feed(cluster.client_config(), input_topic, value_bytes=value_bytes)
+    progress(f"{client}: feeding {first_feed} records", at)
+    feed.feed(first_feed)
+    return input_topic, output_topic, feed
+
+
+def backlog_feeder(feed: Feed, probe: OffsetsProbe, checkpoint: Checkpoint, top_up: int, *, low: int,
+                   max_top_ups: int, name: str) -> Feeder:
+    """Tops the input up by `top_up` whenever fewer than `low` records are left beyond the planned batches."""
+    return Feeder(lambda: feed.feed(top_up),
+                  lambda: sum(probe.end_offsets(feed.topic).values()) - checkpoint.latest_planned_end(),
+                  low=low, poll_s=0.5, max_top_ups=max_top_ups, max_seconds=900, name=name)
+
+
 # ---- the scenario ------------------------------------------------------------------------------
 
 
 def _pipeline(cluster: LocalKafkaCluster, client: str, mode: str, progress: Progress, at: float) -> ScenarioResult:
     conn = cluster.client_config()
     started = time.monotonic()
-    input_topic, output_topic = topic_name(NAME, f"{client}-in"), topic_name(NAME, client)
-    cluster.create_topic(input_topic, PARTITIONS)
-    cluster.create_topic(output_topic, PARTITIONS)
-    feed = Feed(conn, input_topic)
-    progress(f"{client}: feeding {FIRST_FEED} records", at)
-    feed.feed(FIRST_FEED)
-    kills: list[Kill] = []
+    input_topic, output_topic, feed = fed_topics(cluster, NAME, client, PARTITIONS, FIRST_FEED, progress, at)
     with tempfile.TemporaryDirectory(prefix="rk-lab-stream-") as work, OffsetsProbe(conn) as probe:
         driver = StreamDriver(mode, conn, input_topic, output_topic, Path(work))
         checkpoint = Checkpoint(driver.checkpoint, input_topic)
-        feeder = Feeder(lambda: feed.feed(TOP_UP),
-                        lambda: sum(probe.end_offsets(input_topic).values()) - checkpoint.latest_planned_end(),
-                        low=LOW_WATER, poll_s=0.5, max_top_ups=40, max_seconds=900, name=f"{NAME}-{client}-feeder")
+        feeder = backlog_feeder(feed, probe, checkpoint, TOP_UP, low=LOW_WATER, max_top_ups=40,
+                                name=f"{NAME}-{client}-feeder")
         try:
             driver.start()
             feeder.start()
-            try:
-                for n in range(1, KILLS + 1):
-                    gate = InFlightGate(driver, checkpoint, probe, input_topic, output_topic)
-                    kills.append(fire_when(gate.ready, gate.kill, what=f"{client} driver SIGKILL {n} of {KILLS}",
-                                           rearm=feeder.top_up_now, attempts=GATE_ATTEMPTS, timeout_s=GATE_TIMEOUT_S,
-                                           poll_s=0.01))
-                    progress(f"{client}: driver SIGKILLed mid-batch ({n} of {KILLS})", at + 0.4 * n / (KILLS + 1))
-                    if n < KILLS:
-                        driver.start()
-            finally:
-                feeder.stop()  # what was fed is final: the last run reads all of it
+            # What was fed is final once the kills are done: the last run reads all of it.
+            kills = kills_mid_batch(lambda: InFlightGate(driver, checkpoint, probe, input_topic, output_topic), feeder,
+                                    what=f"{client}: driver SIGKILL", attempts=GATE_ATTEMPTS,
+                                    timeout_s=GATE_TIMEOUT_S, progress=progress, at=at,
+                                    after_each=lambda n: driver.start() if n < KILLS else None)
             progress(f"{client}: last driver run (available now, {len(feed.acked)} records fed)", at + 0.4)
             driver.start(available_now=True)
             last = driver.wait_finished(checkpoint)
         finally:
             driver.kill()
+    detail = f"{kills_summary(kills, 'driver SIGKILLs')}; {driver.runs} driver runs, the last read {last['rows']} rows"
+    return pipeline_result(NAME, client, conn, feed, output_topic, started, detail)
+
+
+def kills_mid_batch(gate_for: Callable[[], InFlightGate], feeder: Feeder, *, what: str, attempts: int,
+                    timeout_s: float, progress: Progress, at: float, count: int = KILLS,
+                    after_each: Callable[[int], object] | None = None) -> list[Kill]:
+    """`count` kills, each fired as soon as a fresh gate (`gate_for()`) holds, re-armed by a top-up; then the
+    feeder stops, so what was fed is final. `after_each(n)` runs after kill n (a driver's restart)."""
+    kills: list[Kill] = []
+    try:
+        for n in range(1, count + 1):
+            gate = gate_for()
+            kills.append(fire_when(gate.ready, gate.kill, what=f"{what} {n} of {count}", rearm=feeder.top_up_now,
+                                   attempts=attempts, timeout_s=timeout_s, poll_s=0.01))
+            progress(f"{what} mid-batch ({n} of {count})", at + 0.4 * n / (count + 1))
+            if after_each is not None:
+                after_each(n)
+    finally:
+        feeder.stop()
+    return kills
+
+
+def kills_summary(kills: list[Kill], fault: str) -> str:
+    """Where the kills landed, for a result's detail."""
     landed = [k for k in kills if k.landed]
-    detail = (f"{len(kills)} driver SIGKILLs with a micro-batch mid-write, {len(landed)} before Spark committed it "
-              f"(batches {', '.join(str(k.batch) for k in kills)}; {sum(k.written for k in landed)} output offsets "
-              f"of those batches written when killed); {driver.runs} driver runs, the last read {last['rows']} rows")
+    return (f"{len(kills)} {fault} with a micro-batch mid-write, {len(landed)} before Spark committed it (batches "
+            f"{', '.join(str(k.batch) for k in kills)}; {' + '.join(str(k.written) for k in landed) or 0} output "
+            "offsets of those batches written when killed)")
+
+
+def pipeline_result(name: str, client: str, conn: Connection, feed: Feed, output_topic: str, started: float,
+                    detail: str) -> ScenarioResult:
+    """The independent read_committed count of the output against what the feed got acknowledged; for ours,
+    how many records of aborted transactions the read skipped."""
     if client == RELIABLE:
         everything = len(read_back(conn, output_topic, isolation_level="read_uncommitted"))
         committed = len(read_back(conn, output_topic))
         detail += f"; {everything - committed} records of aborted transactions hidden from read_committed"
-    return count(NAME, client, feed.acked, conn, output_topic, started, detail)
+    return count(name, client, feed.acked, conn, output_topic, started, detail)
 
 
 def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:

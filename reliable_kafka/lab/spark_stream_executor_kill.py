@@ -23,15 +23,21 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from reliable_kafka.lab.base import CONTROL, RELIABLE, Progress, Scenario, ScenarioResult
-from reliable_kafka.lab.common import count, read_back, topic_name
 from reliable_kafka.lab.programs.stream_driver_proc import CONTROL_MODE, RELIABLE_MODE
-from reliable_kafka.lab.spark_stream_driver_kill import Checkpoint, Feed, StreamDriver
+from reliable_kafka.lab.spark_stream_driver_kill import (
+    Checkpoint,
+    InFlightGate,
+    StreamDriver,
+    backlog_feeder,
+    fed_topics,
+    kills_mid_batch,
+    kills_summary,
+    pipeline_result,
+)
 from reliable_kafka.testing.cluster import QUICK_START_JVM_OPTIONS, LocalKafkaCluster
-from reliable_kafka.testing.gates import Feeder, fire_when
 from reliable_kafka.testing.offsets_probe import OffsetsProbe
 from reliable_kafka.testing.spark_cluster import LocalSparkCluster, package_zip
 
@@ -60,65 +66,25 @@ CATCH_UP_TIMEOUT_S = 600.0
 STALL_S = 120.0
 
 
-@dataclass(frozen=True)
-class ExecutorKill:
-    batch: int  # the micro-batch in flight at the kill
-    written: int  # offsets its output had taken in the output topic when its executors died
-    landed: bool  # Spark had not committed it: its killed tasks run again
+class ExecutorGate(InFlightGate):
+    """The moment an executor kill bites: InFlightGate's micro-batch mid-write and not committed, with both
+    executors running (a task of the batch may run on either single-core executor); the kill takes both."""
 
-
-class ExecutorGate:
-    """The moment an executor kill bites: both executors run, a micro-batch is mid-write and not committed.
-
-    Ready when (1) the cluster runs both executors, (2) a micro-batch committed since the gate was made (the
-    last kill's batch is done), (3) the next batch is planned, (4) input remains beyond it, (5) the output
-    grew past what it held when the last commit was seen (so it is the planned batch's output), and (6)
-    Spark has not committed that batch, looked at last, right before the kill.
-    """
+    LANDED = "not committed: its tasks run again"
 
     def __init__(self, cluster: LocalSparkCluster, driver: StreamDriver, checkpoint: Checkpoint,
                  probe: OffsetsProbe, input_topic: str, output_topic: str) -> None:
-        self._cluster, self._driver, self._checkpoint, self._probe = cluster, driver, checkpoint, probe
-        self._input, self._output = input_topic, output_topic
-        self._since = checkpoint.latest_commit()
-        self._commit = self._since
-        self._base = 0
-        self.batch = -1
+        super().__init__(driver, checkpoint, probe, input_topic, output_topic)
+        self._cluster = cluster
 
-    def _output_total(self) -> int:
-        return sum(self._probe.high_watermarks(self._output).values())
+    def _armed(self) -> bool:
+        return len(self._cluster.executor_pids()) >= 2
 
-    def ready(self) -> bool:
-        if (code := self._driver.exit_code()) is not None:
-            raise RuntimeError(f"the {self._driver.mode} driver exited ({code}) before its executors' kill")
-        if len(self._cluster.executor_pids()) < 2:
-            return False
-        latest = self._checkpoint.latest_commit()
-        if latest <= self._since:
-            return False
-        if latest != self._commit:
-            self._commit, self._base = latest, self._output_total()
-            return False
-        batch = latest + 1
-        end = self._checkpoint.planned_end(batch)
-        if end is None or sum(self._probe.end_offsets(self._input).values()) <= end:
-            return False
-        if self._output_total() <= self._base or self._checkpoint.committed(batch):
-            return False
-        self.batch = batch
-        return True
-
-    def kill(self) -> ExecutorKill:
-        # Both: a task of the batch may run on either single-core executor.
+    def _strike(self) -> str:
         executors = self._cluster.executor_pids()
         for pid in executors:
             self._cluster.kill_executor(pid)
-        written = self._output_total() - self._base
-        kill = ExecutorKill(self.batch, written, landed=not self._checkpoint.committed(self.batch))
-        log.info("%s: executors %s SIGKILLed with micro-batch %d in flight (%d output offsets written, %s)",
-                 self._driver.mode, sorted(executors), kill.batch, kill.written,
-                 "not committed: its tasks run again" if kill.landed else "committed just before the kill")
-        return kill
+        return f"executors {sorted(executors)} SIGKILLed"
 
 
 def _caught_up(driver: StreamDriver, checkpoint: Checkpoint, probe: OffsetsProbe, input_topic: str) -> None:
@@ -143,13 +109,8 @@ def _pipeline(cluster: LocalKafkaCluster, spark: LocalSparkCluster, py_files: Pa
               progress: Progress, at: float) -> ScenarioResult:
     conn = cluster.client_config()
     started = time.monotonic()
-    input_topic, output_topic = topic_name(NAME, f"{client}-in"), topic_name(NAME, client)
-    cluster.create_topic(input_topic, PARTITIONS)
-    cluster.create_topic(output_topic, PARTITIONS)
-    feed = Feed(conn, input_topic, value_bytes=VALUE_BYTES)
-    progress(f"{client}: feeding {FIRST_FEED} records", at)
-    feed.feed(FIRST_FEED)
-    kills: list[ExecutorKill] = []
+    input_topic, output_topic, feed = fed_topics(cluster, NAME, client, PARTITIONS, FIRST_FEED, progress, at,
+                                                 value_bytes=VALUE_BYTES)
     with tempfile.TemporaryDirectory(prefix="rk-lab-stream-") as work, OffsetsProbe(conn) as probe:
         stop_file = Path(work) / "stop"
         driver = StreamDriver(mode, conn, input_topic, output_topic, Path(work),
@@ -158,37 +119,23 @@ def _pipeline(cluster: LocalKafkaCluster, spark: LocalSparkCluster, py_files: Pa
                                           "--slow-seconds-per-batch", str(SLOW_S), "--stop-file", str(stop_file),
                                           "--max-seconds", "1200"])
         checkpoint = Checkpoint(driver.checkpoint, input_topic)
-        feeder = Feeder(lambda: feed.feed(TOP_UP),
-                        lambda: sum(probe.end_offsets(input_topic).values()) - checkpoint.latest_planned_end(),
-                        low=LOW_WATER, poll_s=0.5, max_top_ups=20, max_seconds=900, name=f"{NAME}-{client}-feeder")
+        feeder = backlog_feeder(feed, probe, checkpoint, TOP_UP, low=LOW_WATER, max_top_ups=20,
+                                name=f"{NAME}-{client}-feeder")
         try:
             driver.start()
             feeder.start()
-            try:
-                for n in range(1, KILLS + 1):
-                    gate = ExecutorGate(spark, driver, checkpoint, probe, input_topic, output_topic)
-                    kills.append(fire_when(gate.ready, gate.kill, what=f"{client} executors SIGKILL {n} of {KILLS}",
-                                           rearm=feeder.top_up_now, attempts=GATE_ATTEMPTS, timeout_s=GATE_TIMEOUT_S,
-                                           poll_s=0.01))
-                    progress(f"{client}: executors SIGKILLed mid-batch ({n} of {KILLS})", at + 0.4 * n / (KILLS + 1))
-            finally:
-                feeder.stop()  # what was fed is final: the query reads all of it before it stops
+            # What was fed is final once the kills are done: the query reads all of it before it stops.
+            kills = kills_mid_batch(lambda: ExecutorGate(spark, driver, checkpoint, probe, input_topic, output_topic),
+                                    feeder, what=f"{client}: executors SIGKILL", attempts=GATE_ATTEMPTS,
+                                    timeout_s=GATE_TIMEOUT_S, progress=progress, at=at, count=KILLS)
             progress(f"{client}: catching up with the {len(feed.acked)} records fed", at + 0.4)
             _caught_up(driver, checkpoint, probe, input_topic)
             stop_file.touch()
             last = driver.wait_finished(checkpoint)
         finally:
             driver.kill()
-    landed = [k for k in kills if k.landed]
-    detail = (f"{len(kills)} SIGKILLs of both executors with a micro-batch mid-write, {len(landed)} before Spark "
-              f"committed it (batches {', '.join(str(k.batch) for k in kills)}; "
-              f"{' + '.join(str(k.written) for k in landed) or 0} output offsets of those batches written when "
-              f"killed); the query read {last['rows']} rows")
-    if client == RELIABLE:
-        everything = len(read_back(conn, output_topic, isolation_level="read_uncommitted"))
-        committed = len(read_back(conn, output_topic))
-        detail += f"; {everything - committed} records of aborted transactions hidden from read_committed"
-    return count(NAME, client, feed.acked, conn, output_topic, started, detail)
+    detail = f"{kills_summary(kills, 'SIGKILLs of both executors')}; the query read {last['rows']} rows"
+    return pipeline_result(NAME, client, conn, feed, output_topic, started, detail)
 
 
 def run(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
