@@ -17,6 +17,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from reliable_kafka.errors import ClusterError
 
@@ -189,3 +190,15 @@ def _resolve(*, fetch: bool) -> tuple[str, list[Path]]:
         f"{'.'.join(map(str, _LOG_KEYS_SPLIT))}+ (their reader fails). Point RK_SPARK_KAFKA_JARS at a directory "
         "holding a matching connector's jars, or RK_SPARK_KAFKA_VERSION at a release Maven can fetch"
     )
+
+
+def has_kafka_connector(spark: Any) -> bool:
+    """Whether format("kafka") (Spark's own Kafka connector) can be used in this session."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    try:
+        loader = jvm.Thread.currentThread().getContextClassLoader()
+        jvm.java.lang.Class.forName("org.apache.spark.sql.kafka010.KafkaSourceProvider", True, loader)
+    except Exception:
+        return False
+    return True

@@ -30,6 +30,7 @@ from reliable_kafka.config import connection_settings
 from reliable_kafka.errors import ConfigError, WriteRefused
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.retry import retry_kafka_call
+from reliable_kafka.spark.jars import has_kafka_connector
 from reliable_kafka.spark.java_options import java_kafka_options
 from reliable_kafka.spark.options import AT_LEAST_ONCE, WriterOptions
 from reliable_kafka.spark.writer import STICKY_ROWS, check_input_schema
@@ -60,8 +61,6 @@ def jvm_sink_refusal(spark: SparkSession, options: WriterOptions) -> str | None:
         java_kafka_options(connection_settings(options.kafka))
     except ConfigError as exc:
         return str(exc)
-    from reliable_kafka.spark.local import has_kafka_connector
-
     if not has_kafka_connector(spark):
         return "Spark's Kafka connector (spark-sql-kafka-0-10) is not on the classpath"
     return None

@@ -58,15 +58,3 @@ def local_session(
     spark.sparkContext.setLogLevel("ERROR")
     register(spark)
     return spark
-
-
-def has_kafka_connector(spark: SparkSession) -> bool:
-    """Whether format("kafka") (Spark's own Kafka connector) can be used in this session."""
-    jvm = spark.sparkContext._jvm
-    assert jvm is not None
-    try:
-        loader = jvm.Thread.currentThread().getContextClassLoader()
-        jvm.java.lang.Class.forName("org.apache.spark.sql.kafka010.KafkaSourceProvider", True, loader)
-    except Exception:
-        return False
-    return True

@@ -63,7 +63,7 @@ def spark(spark_session: Any) -> Any:
 @pytest.fixture
 def kafka_connector(spark_session: Any) -> None:
     """Spark's own format("kafka") (the control); missing() when its jars could not be fetched."""
-    from reliable_kafka.spark.local import has_kafka_connector
+    from reliable_kafka.spark.jars import has_kafka_connector
 
     if not has_kafka_connector(spark_session):
         missing("Spark's Kafka connector (spark-sql-kafka-0-10)", "needs Maven and Maven Central; see docs/spark.md")
