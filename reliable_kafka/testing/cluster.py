@@ -400,6 +400,11 @@ class LocalKafkaCluster:
             "logger": _RDKAFKA_LOG,
         }
 
+    def broker_setting(self, key: str, default: Any = None) -> Any:
+        """A setting every node runs with that the harness chose or `broker_config` gave (not Kafka's own
+        defaults: `default` stands for those)."""
+        return {**_FAST_FAULT_SETTINGS, **dict(self.broker_config)}.get(key, default)
+
     def client_config(self, user: str = "admin") -> dict[str, Any]:
         """librdkafka settings that reach this cluster as `user` ("admin": the super user the harness
         itself is). On an open cluster, just the bootstrap servers."""

@@ -108,8 +108,11 @@ def followers_paused(cluster: LocalKafkaCluster, topic: str, partition: int = 0)
         # stopped, its log on disk does not change, and the leader's high watermark only moves on the
         # follower's next fetch, which a paused follower never sends. Only the verdict after the
         # election tells; a run the recipe did not bite is re-armed with `until_it_bites`.
-        fetch_wait_s = int(cluster.broker_config.get("replica.fetch.wait.max.ms", _KAFKA_REPLICA_FETCH_WAIT_MS)) / 1000
-        time.sleep(3 * fetch_wait_s)
+        # The longest a fetch can stay parked, and a second for the leader to send its response (with
+        # Kafka's 500 ms, the 1.5 s measured above). It reads the nodes' own setting: the harness runs them
+        # with 2 s, and a wait of 3 x 500 ms let fetches parked 1.5-2 s before the pause take the records.
+        fetch_wait_s = int(cluster.broker_setting("replica.fetch.wait.max.ms", _KAFKA_REPLICA_FETCH_WAIT_MS)) / 1000
+        time.sleep(fetch_wait_s + 1.0)
         yield iso
 
 
