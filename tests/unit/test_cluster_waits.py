@@ -84,3 +84,12 @@ def test_jvm_options_given_as_one_string_are_refused_rather_than_split_into_char
     with pytest.raises(TypeError, match="sequence of flags"):
         LocalKafkaCluster(brokers=1, jvm_options="-XX:TieredStopAtLevel=1")  # a str is a Sequence[str] too
     assert LocalKafkaCluster(brokers=1, jvm_options=["-Xss1m"]).jvm_options == ["-Xss1m"]
+
+
+def test_the_paused_follower_recipe_reads_the_fetch_wait_the_nodes_run_with() -> None:
+    # faults.followers_paused waits out a follower's parked fetch for this long (plus a second): it must be
+    # the nodes' setting, the harness's own unless broker_config overrides it, not Kafka's 500 ms default.
+    assert LocalKafkaCluster(brokers=3).broker_setting("replica.fetch.wait.max.ms") == 2000
+    overridden = LocalKafkaCluster(brokers=3, broker_config={"replica.fetch.wait.max.ms": 700})
+    assert overridden.broker_setting("replica.fetch.wait.max.ms") == 700
+    assert LocalKafkaCluster(brokers=3).broker_setting("log.retention.ms", "Kafka's default") == "Kafka's default"
