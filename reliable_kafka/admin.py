@@ -124,6 +124,13 @@ def describe_topic(admin: AdminClient, topic: str, timeout: float = 10.0) -> Top
     )
 
 
+def partition_count(admin: AdminClient, topic: str, timeout: float = 10.0) -> int | None:
+    """How many partitions `topic` has; None if it does not exist. TopicAuthorizationFailed when the
+    principal may not describe it, ClusterUnreachable when no broker answers."""
+    replication = _replication(admin, topic, timeout)
+    return replication[0] if replication is not None else None
+
+
 def _replication(admin: AdminClient, topic: str, timeout: float) -> tuple[int, int] | None:
     """(partitions, lowest replication factor) from the metadata, which Describe alone may read; None
     if the topic does not exist."""

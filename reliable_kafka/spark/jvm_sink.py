@@ -22,14 +22,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from confluent_kafka.admin import AdminClient
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 
 from reliable_kafka import telemetry
+from reliable_kafka.admin import partition_count
 from reliable_kafka.config import connection_settings
 from reliable_kafka.errors import ConfigError, WriteRefused
 from reliable_kafka.ids import ID_HEADER
-from reliable_kafka.retry import retry_kafka_call
 from reliable_kafka.spark.jars import has_kafka_connector
 from reliable_kafka.spark.java_options import java_kafka_options
 from reliable_kafka.spark.options import AT_LEAST_ONCE, WriterOptions
@@ -70,8 +71,8 @@ def java_producer_options(options: WriterOptions) -> dict[str, str]:
     """The sink's `kafka.*` options: the connection, and the safe settings the Python writer would run with."""
     safe = options.producer_settings()  # validated: unsafe settings were refused on the driver already
     out = java_kafka_options(connection_settings(safe))
-    out.update({f"kafka.{k}": str(safe[k]).lower() for k in ("acks", "enable.idempotence") if k in safe})
-    out["kafka.acks"] = "all"  # librdkafka's -1
+    # What producer_settings() enforces, in the Java client's spelling (librdkafka also takes acks=-1).
+    out["kafka.acks"], out["kafka.enable.idempotence"] = "all", "true"
     for key in ("linger.ms", "batch.size", "compression.type", "max.in.flight.requests.per.connection"):
         if key in safe:
             out[f"kafka.{key}"] = str(safe[key])
@@ -85,15 +86,10 @@ def java_producer_options(options: WriterOptions) -> dict[str, str]:
 
 
 def _partition_count(options: WriterOptions, topic: str) -> int:
-    from confluent_kafka.admin import AdminClient
-
-    admin = AdminClient(connection_settings(options.kafka))
-    md = retry_kafka_call(lambda: admin.list_topics(topic, timeout=10), deadline_s=30.0, what="metadata")
-    meta = md.topics.get(topic)
-    if meta is None or meta.error is not None or not meta.partitions:
-        raise WriteRefused(f"topic {topic!r} is not available ({meta.error if meta is not None else 'no metadata'}): "
-                           "create it before writing")
-    return len(meta.partitions)
+    count = partition_count(AdminClient(connection_settings(options.kafka)), topic)
+    if count is None:
+        raise WriteRefused(f"topic {topic!r} does not exist: create it before writing")
+    return count
 
 
 def with_rk_columns(df: DataFrame, write_id: str, partitions: int) -> DataFrame:

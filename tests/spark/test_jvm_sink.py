@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 
-from reliable_kafka.errors import ConfigError
+from reliable_kafka.errors import ConfigError, WriteRefused
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.spark import write_kafka
 from tests.spark.jobs import read_back
@@ -75,3 +75,10 @@ def test_write_path_jvm_refuses_what_it_cannot_write_alike(spark, kafka_connecto
     assert refused.value.key == "write_path" and "write_path='auto' or 'python'" in str(refused.value)
     with pytest.raises(ConfigError, match="'fast' is not one of auto, jvm, python"):
         write_kafka(df, kafka.bootstrap_servers, "jvm-refused", write_path="fast")
+
+
+def test_a_missing_topic_is_refused_on_the_driver_before_any_row_is_sent(spark, kafka_connector, kafka) -> None:
+    df = spark.range(3).select(F.col("id").cast("string").alias("value"))
+    topic = f"jvm-missing-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(WriteRefused, match=f"topic '{topic}' does not exist: create it before writing"):
+        write_kafka(df, kafka.bootstrap_servers, topic, guarantee="at_least_once", write_path="jvm")
