@@ -1,0 +1,178 @@
+"""How fast one send() per message from 16 threads could be if it took no shared lock: a bound, not a producer.
+
+    python benchmarks/send_without_shared_lock.py [--out PATH] MESSAGES ROUNDS > out.txt
+
+`send()` in durability `process` holds the dispatcher's ordering lock (and inside it the outbox's) while it
+journals the message and hands it to librdkafka. produce() never gives up the GIL, but once one sender
+waits on the lock every release wakes a sleeping one: a context switch per message from 16 threads
+(0.6-0.8 per message, against 0.03 from one thread, at any switch interval). This script measures the
+same work without any lock shared between senders, the ceiling of a send path built that way:
+
+* each thread journals into an AcceptJournal of its own (the outbox's record format, one record a message);
+* the seq comes from itertools.count (one C call: atomic under the GIL);
+* produce() on the sender's thread, with a per-message partial as the delivery callback (as the
+  dispatcher's) and the rk-id header;
+* a poller thread serves delivery reports and journals each round's delivered seqs, as the outbox does.
+
+What it leaves out, and a real path would need: the outbox's bookkeeping (pending counts, its bound, the
+settle into SQLite), the hand-over order the dispatcher keeps for its backlog and rebuilds, tracing, and
+the preflight. So its figure is an upper bound of the design. Against it, in the same run on the same
+3-node cluster, interleaved: raw confluent-kafka from 16 threads (the producer-calls baseline) and
+ReliableProducer.send() from 16 threads. Every run is written to PATH (default
+benchmarks/results/journal/send-without-shared-lock.json).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
+from confluent_kafka import Producer
+
+from reliable_kafka.bench.calls import VALUE, shares
+from reliable_kafka.bench.common import run_variant
+from reliable_kafka.config import producer_config
+from reliable_kafka.ids import ID_HEADER, new_id
+from reliable_kafka.outbox.journal import AcceptJournal
+from reliable_kafka.spool import NewMessage
+
+OUT = Path(__file__).resolve().parent / "results" / "journal" / "send-without-shared-lock.json"
+CALL_VARIANTS = ("raw-threads-16", "send-threads-16-process")
+BOUND = "no-shared-lock-16"
+THREADS = 16
+
+
+def no_shared_lock(connection: dict[str, Any], topic: str, n: int, threads: int) -> dict[str, Any]:
+    """The bound's run in this process: msgs/s from the first send to the last delivery report, and CPU."""
+    folder = Path(tempfile.mkdtemp(prefix="rk-bound-"))
+    p = Producer(producer_config(connection))
+    seqs = itertools.count(1)
+    local = threading.local()
+    delivered: list[int] = []
+    all_back, stop = threading.Event(), threading.Event()
+
+    def report(seq: int, err: Any, _msg: Any) -> None:
+        if err is None:
+            delivered.append(seq)
+
+    acks = AcceptJournal(folder / "acks.db")
+
+    def poller() -> None:
+        total = 0
+        while not stop.is_set():
+            p.poll(0.05)
+            if delivered:
+                batch = delivered[:]
+                del delivered[:len(batch)]
+                acks.delivered(batch)
+                total += len(batch)
+                if total >= n:
+                    all_back.set()
+
+    def send(value: bytes) -> None:
+        journal = getattr(local, "journal", None)
+        if journal is None:
+            journal = local.journal = AcceptJournal(folder / f"thread-{threading.get_ident()}.db")
+        seq = next(seqs)
+        message_id = new_id()
+        journal.append(seq, (NewMessage(message_id, topic, value, None, (), None),), time.time_ns() // 1_000_000)
+        while True:
+            try:
+                p.produce(topic, value, None, -1, functools.partial(report, seq), None, 0,
+                          [(ID_HEADER, message_id.encode())])
+                return
+            except BufferError:
+                p.poll(0.01)
+
+    go = threading.Event()
+
+    def body(count: int) -> None:
+        go.wait()
+        for _ in range(count):
+            send(VALUE)
+
+    senders = [threading.Thread(target=body, args=(c,), daemon=True) for c in shares(n, threads)]
+    for t in senders:
+        t.start()
+    poll_thread = threading.Thread(target=poller, daemon=True)
+    poll_thread.start()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    go.set()
+    for t in senders:
+        t.join()
+    if not all_back.wait(300):
+        raise RuntimeError("the bound's messages were not all delivered within 300 s")
+    took = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    stop.set()
+    poll_thread.join(5)
+    return {"msgs_per_s": n / took, "seconds": took,
+            "cpu_us_per_msg": ((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)) / n * 1e6,
+            "context_switches_per_msg": ((after.ru_nvcsw - before.ru_nvcsw) + (after.ru_nivcsw - before.ru_nivcsw)) / n}
+
+
+def _bound_in_child(connection: dict[str, Any], topic: str, n: int) -> dict[str, Any]:
+    """The bound in a process of its own, as the bench's variants run (its CPU is its own)."""
+    import subprocess
+
+    from reliable_kafka.testing.child_connection import child_env
+
+    proc = subprocess.run([sys.executable, __file__, "--child", topic, str(n)], capture_output=True, text=True,
+                          timeout=1800, env=child_env(connection), check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"the bound failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["--child"]:
+        from reliable_kafka.testing.child_connection import connection_from_env
+
+        print(json.dumps(no_shared_lock(connection_from_env(), argv[1], int(argv[2]), THREADS)), flush=True)
+        return
+    out_path = OUT
+    if argv[:1] == ["--out"]:
+        out_path, argv = Path(argv[1]), argv[2:]
+    n, rounds = int(argv[0]), int(argv[1])
+    with bench_cluster() as (_cluster, conn, create):
+
+        def fresh_topic() -> str:
+            topic = f"bound-{uuid.uuid4().hex[:8]}"
+            create(topic, 3)
+            return topic
+
+        run_variant("producer-calls", CALL_VARIANTS[0], ["--topic", fresh_topic(), "--messages", str(n)], conn)
+        runs: dict[str, list[dict[str, Any]]] = {v: [] for v in (*CALL_VARIANTS, BOUND)}
+        for r in range(rounds):
+            for v in runs:
+                out = (_bound_in_child(conn, fresh_topic(), n) if v == BOUND else
+                       run_variant("producer-calls", v, ["--topic", fresh_topic(), "--messages", str(n)], conn))
+                runs[v].append(out)
+                print(f"round {r + 1} {v}: {out['msgs_per_s']:,.0f} msgs/s", flush=True)
+        base = [x["msgs_per_s"] for x in runs[CALL_VARIANTS[0]]]
+        for v, results in runs.items():
+            rates = [x["msgs_per_s"] for x in results]
+            ratios = [a / b for a, b in zip(rates, base, strict=True)]
+            print(f"{v}: median {statistics.median(rates):,.0f} msgs/s [{min(rates):,.0f}-{max(rates):,.0f}], "
+                  f"ratio to raw {statistics.median(ratios):.2f} [{min(ratios):.2f}-{max(ratios):.2f}]")
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps({"messages": n, "rounds": rounds, "threads": THREADS, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
