@@ -23,7 +23,8 @@ from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.bench import calls
 from reliable_kafka.bench.common import peak_rss_mb
-from reliable_kafka.ids import ID_HEADER, message_id_of, new_ids
+from reliable_kafka.config import producer_config
+from reliable_kafka.ids import ID_HEADER, message_id_of, new_id, new_ids
 from reliable_kafka.testing.child_connection import Connection, connection_from_env
 from reliable_kafka.testing.loop_stall import LoopStallProbe
 
@@ -55,6 +56,36 @@ def produce_raw(connection: Connection, topic: str, n: int, with_ids: bool = Fal
     p.flush(300)
     took = time.perf_counter() - start
     assert delivered[0] == n, f"raw producer delivered {delivered[0]} of {n}"
+    return took
+
+
+def produce_raw_safe(connection: Connection, topic: str, n: int) -> float:
+    """The producer bench's like-for-like baseline: what a careful user hand-writes with bare confluent-kafka.
+
+    Our producer settings (producer_config(): acks=all + idempotence and the same batching), and per message
+    what ReliableProducer gives every message: an rk-id header (the same id function) and a delivery
+    callback of its own that knows which message it reports, so a failure can be told apart and sent
+    again. The same poll(0) loop as `raw`; keywords, as a program writes it.
+    """
+    p = Producer(producer_config(connection))
+    delivered = [0]
+    failed: dict[str, str] = {}  # message id -> reason: what a careful program keeps to send again
+
+    def on_delivery(message_id: str, err: Any, _msg: Any) -> None:
+        if err is None:
+            delivered[0] += 1
+        else:
+            failed[message_id] = str(err)
+
+    start = time.perf_counter()
+    for _ in range(n):
+        message_id = new_id()
+        produce_when_room(p, topic, VALUE, headers=[(ID_HEADER, message_id.encode())],
+                          on_delivery=functools.partial(on_delivery, message_id), poll_s=0.01)
+        p.poll(0)
+    p.flush(300)
+    took = time.perf_counter() - start
+    assert delivered[0] == n and not failed, f"raw_safe delivered {delivered[0]} of {n}, failed {len(failed)}"
     return took
 
 
@@ -342,6 +373,7 @@ def main() -> None:
     # A variant returns its seconds, or (seconds, facts for its JSON) (producer-calls, the asyncio consumers).
     runs: dict[tuple[str, str], Callable[[], float | tuple[float, dict[str, Any]]]] = {
         ("producer", "raw"): lambda: produce_raw(conn, a.topic, a.messages),
+        ("producer", "raw_safe"): lambda: produce_raw_safe(conn, a.topic, a.messages),
         ("producer", "fill"): lambda: produce_raw(conn, a.topic, a.messages, with_ids=True),
         ("consumer", "raw"): lambda: consume_raw(conn, a.topic, a.messages),
         ("consumer", "raw_librdkafka_defaults"): lambda: consume_raw(conn, a.topic, a.messages, False),
