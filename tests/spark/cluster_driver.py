@@ -57,7 +57,8 @@ def _slow_rules(spec: dict[str, Any]) -> list[Any]:
 
 
 def values_digest(values: list[bytes]) -> dict[str, Any]:
-    """How many values, how many distinct, and a digest of them in order: equal for equal multisets."""
+    """How many values, how many distinct, and a digest of them sorted (the order they were read in does not
+    count): equal for equal multisets."""
     digest = hashlib.sha256()
     for value in sorted(values):
         digest.update(len(value).to_bytes(4, "big") + value)
