@@ -16,7 +16,6 @@ import collections
 import gc
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -27,8 +26,9 @@ from typing import Any
 from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
 
 from reliable_kafka.bench import eos
+from reliable_kafka.bench.common import run_child
 from reliable_kafka.bench.worker import produce_raw
-from reliable_kafka.testing.child_connection import child_env, connection_from_env
+from reliable_kafka.testing.child_connection import connection_from_env
 
 OUT = Path(__file__).resolve().parent / "results" / "eos" / "timeline.json"
 WINDOW_S = 2.0
@@ -129,12 +129,7 @@ def main() -> None:
         for variant in (eos.VARIANT, eos.BASELINE):
             output = f"eos-timeline-out-{uuid.uuid4().hex[:6]}"
             create(output, eos.PARTITIONS)
-            proc = subprocess.run([sys.executable, __file__, "--child", variant, source, output, str(n)],
-                                  capture_output=True, text=True, timeout=1800, env=child_env(conn), check=False)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode != 0 or not lines:
-                raise RuntimeError(f"{variant} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-            run = json.loads(lines[-1])
+            run = run_child([sys.executable, __file__, "--child", variant, source, output, str(n)], conn, variant)
             result["variants"][variant] = run
             print(f"{variant}: {run['rate']:,.0f} records/s", flush=True)
             for w in run["windows"]:

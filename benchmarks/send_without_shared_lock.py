@@ -41,7 +41,7 @@ from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from t
 from confluent_kafka import Producer
 
 from reliable_kafka.bench.calls import VALUE, shares
-from reliable_kafka.bench.common import run_variant
+from reliable_kafka.bench.common import run_child, run_variant
 from reliable_kafka.config import producer_config
 from reliable_kafka.ids import ID_HEADER, new_id
 from reliable_kafka.outbox.journal import AcceptJournal
@@ -125,17 +125,7 @@ def no_shared_lock(connection: dict[str, Any], topic: str, n: int, threads: int)
 
 def _bound_in_child(connection: dict[str, Any], topic: str, n: int) -> dict[str, Any]:
     """The bound in a process of its own, as the bench's variants run (its CPU is its own)."""
-    import subprocess
-
-    from reliable_kafka.testing.child_connection import child_env
-
-    proc = subprocess.run([sys.executable, __file__, "--child", topic, str(n)], capture_output=True, text=True,
-                          timeout=1800, env=child_env(connection), check=False)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"the bound failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return run_child([sys.executable, __file__, "--child", topic, str(n)], connection, "the bound")
 
 
 def main() -> None:

@@ -171,13 +171,21 @@ def run_variant(bench: str, variant: str, args: Sequence[str], connection: Conne
 
     `connection` reaches the variant in its environment, never on its command line (testing.child_connection).
     """
-    proc = subprocess.run(
-        [sys.executable, "-m", "reliable_kafka.bench.worker", bench, variant, *args],
-        capture_output=True, text=True, timeout=timeout, env=child_env(connection), check=False,
-    )
+    return run_child([sys.executable, "-m", "reliable_kafka.bench.worker", bench, variant, *args], connection,
+                     f"benchmark {bench}/{variant}", timeout)
+
+
+def run_child(argv: Sequence[str], connection: Connection, what: str, timeout: float = 1800) -> dict[str, Any]:
+    """Run one measured process and return the last JSON object it printed: each variant runs alone, so
+    that its CPU time and peak RSS are its own. `connection` reaches it in its environment only.
+
+    RuntimeError naming `what` when it exits non-zero or prints no JSON (the end of its stderr attached).
+    """
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, env=child_env(connection),
+                          check=False)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"benchmark {bench}/{variant} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
     result: dict[str, Any] = json.loads(lines[-1])
     return result
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -18,10 +17,10 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from reliable_kafka.bench.common import peak_rss_mb, rows_against
+from reliable_kafka.bench.common import peak_rss_mb, rows_against, run_child
 from reliable_kafka.bench.worker import produce_raw
 from reliable_kafka.lab.eos_copier_bounce import AtLeastOnceCopier, copy_transform
-from reliable_kafka.testing.child_connection import Connection, child_env, connection_from_env
+from reliable_kafka.testing.child_connection import Connection, connection_from_env
 from reliable_kafka.transactions import CommitInfo, TransactionalProcessor
 
 BASELINE = "at_least_once_copier"
@@ -60,13 +59,7 @@ def run_eos_bench(
 
 def _in_own_process(variant: str, connection: Connection, source: str, output: str, messages: int) -> dict[str, Any]:
     argv = [sys.executable, "-m", __name__, variant, "--input", source, "--output", output, "--messages", str(messages)]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False,
-                          env=child_env(connection))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"eos benchmark {variant} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
-    result: dict[str, Any] = json.loads(lines[-1])
-    return result
+    return run_child(argv, connection, f"eos benchmark {variant}")
 
 
 def copy_rate(variant: str, connection: Connection, source: str, output: str, messages: int) -> float:
