@@ -202,7 +202,7 @@ class Checkpoint:
                 try:
                     # Positional, as in ReliableProducer._produce: keywords cost ~1 µs a call.
                     produce(topic, value, key, partition, None, None, 0,
-                            [(ID_HEADER, headers)] if headers.__class__ is str else list(headers))  # type: ignore[arg-type]
+                            list(headers) if headers.__class__ is tuple else [(ID_HEADER, headers)])  # type: ignore[list-item]
                 except BufferError:
                     # Bounded by message.timeout.ms: then queued records fail, which frees room, and
                     # the commit aborts.

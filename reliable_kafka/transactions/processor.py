@@ -318,13 +318,20 @@ class TransactionalProcessor:
         batch = Batch()
         flat, offsets = batch.outputs, batch.offsets
         handled = dead_lettered = 0
+        key: TopicPartitionKey = ("", -1)
+        last_topic: str | None = None
+        last_partition: int | None = None
         for msg in msgs:
             error = msg.error()
             if error is not None:
                 self._consumer_error(error)
                 continue
             # A consumed record always has topic, partition and offset (cast() would cost a call each).
-            key: TopicPartitionKey = (msg.topic(), msg.partition())  # type: ignore[assignment]
+            topic, partition = msg.topic(), msg.partition()
+            if partition != last_partition or topic != last_topic:
+                # consume() hands records out in runs of one partition: one key tuple per run, not per
+                # record, is one object fewer per record for the garbage collector to count (see Batch).
+                key, last_topic, last_partition = (topic, partition), topic, partition  # type: ignore[assignment]
             offset: int = msg.offset()  # type: ignore[assignment]
             if key not in owned:
                 continue  # fetched before its partition was revoked
@@ -359,7 +366,11 @@ class TransactionalProcessor:
                 else:
                     given = out.headers if out.headers.__class__ is list else header_list(out.headers)
                     if has_id(given):  # the caller's id is kept
-                        headers = tuple(given)
+                        # The rk-id alone (a copy of an input from ReliableProducer, say) is kept as its
+                        # value, like an output without headers: no tuples per record held for the
+                        # collector to count.
+                        only = given[0][1] if len(given) == 1 else None
+                        headers = only if only.__class__ is bytes else tuple(given)  # type: ignore[assignment]
                     else:
                         base = base or input_id(msg, key, offset)
                         headers = (*given, (ID_HEADER, f"{base}:{index}"))

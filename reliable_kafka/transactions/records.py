@@ -41,9 +41,10 @@ Outputs = Sequence[OutputRecord]
 
 # One output, ready for produce(): a plain tuple, not a named tuple or an object, because a tuple of atoms
 # is one the garbage collector stops tracking (see Batch); its positions are named below. Headers are
-# kept as a tuple of pairs, or as the rk-id alone (a str) for an output without headers of its own, and
-# made a list (what produce() takes) only when written: a list would keep the tuple tracked.
-OutHeaders: TypeAlias = "str | tuple[tuple[str, HeaderValue], ...]"
+# kept as a tuple of pairs, or as the rk-id's value alone (a str for an output without headers of its
+# own, bytes for one whose only header is an rk-id given to it), and made a list (what produce() takes)
+# only when written: a list would keep the tuple tracked.
+OutHeaders: TypeAlias = "str | bytes | tuple[tuple[str, HeaderValue], ...]"
 Out = tuple[str, "bytes | None", "bytes | None", int, OutHeaders, TopicPartitionKey, int, bool]
 # Its positions: where it goes (topic, value, key, partition with -1 for the partitioner's choice,
 # headers), then the input it came from (partition, offset) and whether it is a dead-letter copy.
@@ -62,7 +63,7 @@ OUT_DEAD: Final = 7
 def out_headers(out: Out) -> list[tuple[str, HeaderValue]]:
     """The headers of an output as produce() takes them."""
     headers = out[OUT_HEADERS]
-    return [(ID_HEADER, headers)] if headers.__class__ is str else list(headers)  # type: ignore[arg-type]
+    return list(headers) if headers.__class__ is tuple else [(ID_HEADER, headers)]  # type: ignore[list-item]
 
 
 class Batch:

@@ -63,7 +63,8 @@ class Copy:
     librdkafka's statistics report, and the transaction and partition leaders on brokers of their own
     (so one of them can be slowed down alone)."""
 
-    def __init__(self, mock: MockCluster, timeout_s: float = 2.0) -> None:
+    def __init__(self, mock: MockCluster, timeout_s: float = 2.0,
+                 transform: Callable[[Message, str], list[OutputRecord]] | None = None) -> None:
         self.mock = mock
         suffix = uuid.uuid4().hex[:6]
         self.source, self.output = f"in-{suffix}", f"out-{suffix}"
@@ -80,7 +81,8 @@ class Copy:
         self.processor = TransactionalProcessor(
             {"bootstrap.servers": mock.bootstrap_servers, "group.id": self.group},
             input_topics=[self.source],
-            transform=lambda msg: [OutputRecord(self.output, msg.value(), msg.key())],
+            transform=(lambda msg: [OutputRecord(self.output, msg.value(), msg.key())]) if transform is None
+            else (lambda msg: transform(msg, self.output)),
             transactional_id=self.tid,
             operation_timeout_s=timeout_s,
             on_commit=self._on_commit,
@@ -105,9 +107,10 @@ class Copy:
         except BaseException as exc:  # the test inspects it
             self.error = exc
 
-    def feed(self, n: int = N) -> None:
+    def feed(self, n: int = N,
+             headers: Callable[[int], list[tuple[str, bytes | None]] | None] = lambda i: None) -> None:
         for i in range(n):
-            self._feeder.produce(self.source, f"v-{i}".encode())
+            self._feeder.produce(self.source, f"v-{i}".encode(), headers=headers(i))
         assert self._feeder.flush(10) == 0
 
     def start(self) -> Copy:
@@ -325,6 +328,28 @@ def test_outputs_carry_a_deterministic_rk_id(mock: MockCluster) -> None:
     reader = _reader(mock, copy.output)
     ids = [dict(m.headers() or [])["rk-id"] for m in reader]
     assert ids == [f"{copy.source}/0/{i}:0".encode() for i in range(5)]
+
+
+# Input i's headers, and what its copy must carry: the input's own rk-id passed on alone is kept as it is
+# (the processor holds it as its value only), with other headers in their order, and an output with
+# headers of its own but no rk-id gets the deterministic one appended.
+HEADER_CASES: list[tuple[list[tuple[str, bytes | None]] | None, Callable[[str], list[tuple[str, bytes | None]]]]] = [
+    ([("rk-id", b"given-0")], lambda src: [("rk-id", b"given-0")]),
+    ([("app", b"a"), ("rk-id", b"given-1")], lambda src: [("app", b"a"), ("rk-id", b"given-1")]),
+    ([("rk-id", None)], lambda src: [("rk-id", None)]),
+    ([("app", b"b")], lambda src: [("app", b"b"), ("rk-id", f"{src}/0/3:0".encode())]),
+    (None, lambda src: [("rk-id", f"{src}/0/4:0".encode())]),
+]
+
+
+def test_an_outputs_headers_are_kept_whatever_their_shape(mock: MockCluster) -> None:
+    copy = Copy(mock, transform=lambda msg, output: [OutputRecord(output, msg.value(), headers=msg.headers())]
+                if msg.headers() else [OutputRecord(output, msg.value())])
+    copy.feed(len(HEADER_CASES), headers=lambda i: HEADER_CASES[i][0])
+    copy.start().wait_committed(len(HEADER_CASES))
+    copy.finish()
+    got = [m.headers() or [] for m in _reader(mock, copy.output)]
+    assert got == [expected(copy.source) for _, expected in HEADER_CASES]
 
 
 def _reader(mock: MockCluster, topic: str) -> list[Message]:
