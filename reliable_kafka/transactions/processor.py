@@ -33,7 +33,7 @@ from reliable_kafka.transactions.coding import coded
 from reliable_kafka.transactions.failures import TransformFailures
 from reliable_kafka.transactions.records import (
     Batch,
-    HeaderValue,
+    OutHeaders,
     OutputRecord,
     Outputs,
     TopicPartitionKey,
@@ -357,7 +357,7 @@ class TransactionalProcessor:
             # Each output gets its rk-id now, while the input is at hand: "<input rk-id>:<index>".
             base: str | None = None
             index = 0
-            headers: str | tuple[tuple[str, HeaderValue], ...]
+            headers: OutHeaders
             for out in outputs:
                 if out.headers is None:
                     if base is None:
@@ -365,12 +365,14 @@ class TransactionalProcessor:
                     headers = f"{base}:{index}"  # the rk-id alone: the header list is made at produce()
                 else:
                     given = out.headers if out.headers.__class__ is list else header_list(out.headers)
-                    if has_id(given):  # the caller's id is kept
+                    only = given[0] if len(given) == 1 else None
+                    if only is not None and only[0] == ID_HEADER and only[1].__class__ is bytes:
                         # The rk-id alone (a copy of an input from ReliableProducer, say) is kept as its
                         # value, like an output without headers: no tuples per record held for the
                         # collector to count.
-                        only = given[0][1] if len(given) == 1 else None
-                        headers = only if only.__class__ is bytes else tuple(given)  # type: ignore[assignment]
+                        headers = only[1]
+                    elif has_id(given):  # the caller's id is kept
+                        headers = tuple(given)
                     else:
                         base = base or input_id(msg, key, offset)
                         headers = (*given, (ID_HEADER, f"{base}:{index}"))
