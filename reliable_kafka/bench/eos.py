@@ -52,8 +52,8 @@ def run_eos_bench(
     produce_raw(connection, source, messages, with_ids=True)
     runs: dict[str, list[dict[str, Any]]] = {BASELINE: [], VARIANT: []}
     # An unmeasured copy by each variant first: the brokers' transactional paths (the coordinator, the
-    # markers) run cold the first time, and the first round's processor spent twice the broker CPU of
-    # the later ones (20 s against 7-9 s for 600k records), which decided that round's ratio.
+    # markers) run cold the first time: in 600k-record probes the first round's processor made the
+    # brokers spend 20-26 s of CPU against 7-14 s in later rounds, which decided that round's ratio.
     for variant in runs:
         output = f"bench-eos-warm-{variant}-{uuid.uuid4().hex[:6]}"
         create_topic(output, PARTITIONS)
