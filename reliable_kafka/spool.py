@@ -75,6 +75,7 @@ class Spool(Protocol):
     """The subset of Outbox the producer uses; both Outbox and MemorySpool provide it."""
 
     def append(self, messages: Sequence[NewMessage], *, timeout: float = 30.0) -> list[int]: ...
+    def append_one(self, m: NewMessage, timeout: float = 30.0) -> int: ...
     def pending(self, *, after_seq: int = 0, limit: int | None = None) -> list[OutboxRow]: ...
     def get(self, seq: int) -> OutboxRow | None: ...
     def purge(self, *, state: str = "failed", seqs: Iterable[int] | None = None) -> int: ...
@@ -145,6 +146,10 @@ class MemorySpool:
             self._batch_firsts.append(first)
             self._batch_ms.append(now_ms)
             return list(range(first, first + n))
+
+    def append_one(self, m: NewMessage, timeout: float = 30.0) -> int:
+        """append() of one message; returns its seq."""
+        return self.append((m,), timeout=timeout)[0]
 
     def pending(self, *, after_seq: int = 0, limit: int | None = None) -> list[OutboxRow]:
         with self._cond:

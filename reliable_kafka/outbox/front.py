@@ -90,7 +90,9 @@ class Outbox:
         self.max_messages = max_messages
         self.max_bytes = max_bytes
         self.read_only = read_only
-        self._cond = threading.Condition(threading.Lock())
+        # `with self._lock` where nothing waits (append_one): the C-level lock, not Condition.__enter__'s call.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         # Running totals of rows in the spool, so stats() and the bound check never scan the table;
         # _bytes (payload bytes of all rows) is kept up to date only when max_bytes bounds it.
         self._pending = 0
@@ -205,6 +207,31 @@ class Outbox:
             if len(unsettled) >= _SETTLE_BACKLOG:
                 self._settle(force=True)
         return list(range(first, first + count))
+
+    def append_one(self, m: NewMessage, timeout: float = 30.0) -> int:
+        """append() of one message; returns its seq. send()'s path: with the journal, a message without
+        headers under a count bound only is one record and no list, range or loop (the rest, and every
+        refusal, goes through append() as before)."""
+        journal = self._journal
+        value, key = m[2], m[3]
+        if (journal is None or self.max_bytes is not None or m[4]
+                or not ((value is None or type(value) is bytes) and (key is None or type(key) is bytes))):
+            return self.append((m,), timeout=timeout)[0]
+        now_ms = time.time_ns() // 1_000_000
+        with self._lock:
+            if self._file.closed or self.read_only:
+                self._file.writable()
+            if self._pending + self._failed >= self.max_messages:
+                self._wait_for_room(1, 0, timeout)
+            seq = self._next_seq
+            journal.append_one(seq, m, now_ms)
+            unsettled = self._unsettled
+            unsettled[seq] = (m, now_ms)
+            self._next_seq = seq + 1
+            self._pending += 1
+            if len(unsettled) >= _SETTLE_BACKLOG:
+                self._settle(force=True)
+        return seq
 
     def _settle(self, *, force: bool) -> None:
         """(Lock held.) Move journaled messages still undelivered into SQLite and advance the marker, in one

@@ -166,6 +166,25 @@ class AcceptJournal:
                       for seq, m in enumerate(messages, first_seq)]
         self._write(bodies).last_seq = first_seq + len(bodies) - 1
 
+    def append_one(self, seq: int, m: NewMessage, created_ms: int) -> None:
+        """append() of one message (send()'s path): the record written without a list of bodies."""
+        try:
+            body = marshal.dumps((seq, m[0], m[1], m[2], m[3], m[4], m[5], created_ms), _MARSHAL_VERSION)
+        except ValueError:
+            body = marshal.dumps(_plain(seq, m, created_ms), _MARSHAL_VERSION)
+        segments = self._segments
+        segment = segments[-1] if segments else None
+        pos = segment.pos if segment is not None else 0
+        end = pos + _HEAD.size + len(body)
+        if segment is None or end > self._segment_bytes:
+            segment = self._new_segment(_HEAD.size + len(body))
+            pos, end = 0, _HEAD.size + len(body)
+        mapped = segment.map
+        mapped[pos + _HEAD.size:end] = body
+        _HEAD.pack_into(mapped, pos, len(body), zlib.crc32(body))
+        segment.pos = end
+        segment.last_seq = seq
+
     def delivered(self, seqs: Sequence[int]) -> None:
         """Record that these messages were delivered, so that a crash before their settle does not send
         them again (the duplicates a crash costs stay those of one poll round, as with SQLite rows).

@@ -200,9 +200,8 @@ class ReliableProducer:
         if self._accept_inline:
             if self._closed:
                 raise ProducerClosed("send after close(): create a new ReliableProducer")
-            errors: dict[int, str] = {}
-            seq = self._dispatcher.accept((row,), errors)[0]
-            return self._sent_one(row, seq, errors.get(seq) if errors else None)
+            seq, error = self._dispatcher.accept_one(row)
+            return self._sent_one(row, seq, error)
         seq, error = self._group.submit(row)
         return self._sent_one(row, seq, error)
 

@@ -35,8 +35,9 @@ def one(value: bytes, **kw: object) -> list[NewMessage]:
     return [NewMessage(new_id(), "orders", value, **kw)]  # type: ignore[arg-type]
 
 
-# A child that appends single messages (the journal path), records each acknowledged seq and value,
-# marks every third one delivered, and SIGKILLs itself mid-stream: no close(), no settle.
+# A child that appends single messages (the journal path, by append_one() and by append()), records
+# each acknowledged seq and value, marks every third one delivered, and SIGKILLs itself mid-stream:
+# no close(), no settle.
 _CHILD = textwrap.dedent("""
     import json, os, signal, sys
     from reliable_kafka.ids import new_id
@@ -48,8 +49,9 @@ _CHILD = textwrap.dedent("""
     with open(ledger, "w", buffering=1) as out:
         for i in range(n):
             value = f"v-{i}".encode()
-            seq = box.append([NewMessage(new_id(), "orders", value, key=b"k" if i % 5 == 0 else None,
-                                         headers=(("h", b"x"),) if i % 7 == 0 else ())])[0]
+            m = NewMessage(new_id(), "orders", value, key=b"k" if i % 5 == 0 else None,
+                           headers=(("h", b"x"),) if i % 7 == 0 else ())
+            seq = box.append_one(m) if i % 2 else box.append([m])[0]  # send()'s path and send_many()'s
             delivered = i % 3 == 0
             if delivered:
                 box.mark_delivered([seq])
@@ -171,6 +173,26 @@ def test_old_undelivered_messages_settle_into_rows_and_settled_segments_go(tmp_p
         box.mark_delivered(seqs[1::2])
         assert box.stats().pending == 0
     assert not segment_paths(path)
+
+
+def test_append_one_writes_what_append_writes_and_refuses_the_same(tmp_path: Path) -> None:
+    """send()'s path (append_one) against send_many()'s (append) for one message: the same seqs in order,
+    the same records read back across a segment boundary, and bad input refused with nothing written."""
+    path = tmp_path / "o.db"
+    box = Outbox(path)
+    box._journal = AcceptJournal(path, segment_bytes=4096)  # a new segment every few dozen records
+    sent = []
+    for i in range(200):
+        m = one(f"v-{i}".encode(), key=b"k" if i % 3 else None)[0]
+        seq = box.append_one(m) if i % 2 else box.append([m])[0]
+        sent.append((seq, m))
+    assert [s for s, _ in sent] == list(range(sent[0][0], sent[0][0] + 200))
+    assert len(segment_paths(path)) > 2
+    with pytest.raises(SerializationError):
+        box.append_one(NewMessage(new_id(), "orders", "not bytes"))  # type: ignore[arg-type]
+    assert [(s, m) for s, m, _ in read_journal(path)] == sent
+    assert box.stats().pending == 200
+    box.close()
 
 
 def test_fsync_durability_keeps_a_transaction_per_append(tmp_path: Path) -> None:
