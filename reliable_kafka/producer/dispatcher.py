@@ -196,7 +196,7 @@ class Dispatcher:
         The same steps as accept() without a batch's lists, zip and error dict, and the send lock taken
         without queueing (see _acquire_without_queueing). One send() in durability "process", one thread,
         on a 3-node local cluster: 13.8 us of the sender's CPU against 19.1 us through accept(); from 16
-        threads 16.6 us against 43.1 us (200,000 messages each; CHANGELOG, "One send() per request").
+        threads 16.6 us against 43.1 us (200,000 messages each; CHANGELOG, "One send() per message").
         """
         if len(self._producer) >= self._max_in_flight:
             self._wait_for_room()
