@@ -259,9 +259,15 @@ def test_a_second_async_member_joining_mid_stream_loses_nothing(kafka: LocalKafk
     async def main() -> None:
         members = {name: AsyncReliableConsumer(conf(kafka, group), [topic], concurrency=4) for name in ("a", "b")}
 
+        joined = asyncio.Event()  # set when the newcomer subscribes
+
         def handler_of(name: str) -> Callable[[Message], object]:
             async def handler(msg: Message) -> None:
-                await asyncio.sleep(0.0005)
+                # Between the newcomer's subscribe and its first assignment the first member slows to ~200
+                # records/s: the rebalance (a heartbeat or two, seconds) must come before it runs out of records,
+                # whatever the machine's speed. Records still flow, so a revoke waiting on handlers never stalls.
+                slow = name == "a" and joined.is_set() and not members["b"].assignment
+                await asyncio.sleep(0.02 if slow else 0.0005)
                 handled[name].append(msg.value())  # type: ignore[arg-type]
                 now = members[name].assignment  # no librdkafka call: fine per record, on the loop
                 if not held[name] or held[name][-1] != now:
@@ -278,6 +284,7 @@ def test_a_second_async_member_joining_mid_stream_loses_nothing(kafka: LocalKafk
             # The newcomer subscribes (joins) once the first member is mid-stream: handled some, far from all.
             await until(lambda: len(handled["a"]) >= 2_000, 120, "the first member mid-stream")
             assert not all_handled(), "the first member finished before the join: the test proved nothing"
+            joined.set()
             run_b = asyncio.create_task(b.run(handler_of("b")))  # type: ignore[arg-type]
             await until(all_handled, 180, "every record handled by one member or the other")
             a.stop()
