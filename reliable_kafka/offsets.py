@@ -18,7 +18,7 @@ TopicPartition = tuple[str, int]
 class _Partition:
     """What one partition handed out and got back since it was assigned (or last rewound)."""
 
-    __slots__ = ("epoch", "unreleased", "in_flight", "last_tracked", "committable", "committed")
+    __slots__ = ("epoch", "unreleased", "in_flight", "last_tracked", "committable", "committed", "closing")
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
@@ -29,6 +29,7 @@ class _Partition:
         self.last_tracked = -1
         self.committable: int | None = None  # next offset to consume, as Kafka commits it
         self.committed: int | None = None  # the last value passed to mark_committed
+        self.closing = False  # about to be released: records not started yet are not to start (stop_starting)
 
     def release(self) -> None:
         """Move `committable` past the done prefix of `unreleased`; each offset is released once."""
@@ -255,6 +256,22 @@ class OffsetTracker:
         with self._lock:
             for key in partitions:
                 self._partitions.pop(key, None)
+
+    def may_start(self, topic: str | None, partition: int | None, epoch: int) -> bool:
+        """Whether a record tracked with this epoch (from track()) may still start: its partition was neither
+        dropped nor reset since, nor is it about to be (stop_starting). No lock: a dict read and two attribute
+        reads, each atomic, once per record on the workers. Takes what Message.topic()/partition() return."""
+        part = self._partitions.get((topic, partition))  # type: ignore[arg-type]  # None finds nothing
+        return part is not None and part.epoch == epoch and not part.closing
+
+    def stop_starting(self, partitions: Iterable[TopicPartition]) -> None:
+        """Partitions about to be released: their records not started yet may not start (may_start), those
+        running may still finish and count as done until drop()."""
+        with self._lock:
+            for key in partitions:
+                part = self._partitions.get(key)
+                if part is not None:
+                    part.closing = True
 
     def reset(self, topic: str, partition: int) -> None:
         """Forget a partition the consumer seeked or rewound; tracking restarts with the next delivery."""

@@ -265,6 +265,14 @@ class FailureStages:
         telemetry.dead_lettered.add(1)
         self.handled(w)
 
+    def left_for_new_owner(self, works: list[Work]) -> None:
+        """Records that had not started when their partition was released (a revoke that timed out, a lost
+        partition): not run here, since the new owner gets them from the last commit and running them too
+        would repeat their effects. Their dedup claims are freed so the new owner's run does not wait. May
+        call the dedup store."""
+        self._counters.add("left_for_new_owner", len(works))
+        self._release(works)
+
     def _release(self, works: list[Work]) -> None:
         if self._dedup is not None:
             self._dedup.release(works)

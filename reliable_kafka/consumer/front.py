@@ -47,7 +47,7 @@ _OLD_DEDUP = {"dedup_key": "key", "dedup_lease_s": "lease_s", "dedup_fail_open":
 
 # What stats() reports, always all of them (docs/consumer.md#stats says what each counts).
 STATS = ("handled", "dead_lettered", "duplicates_skipped", "commits", "commit_failures", "store_outages",
-         "store_retries")
+         "store_retries", "left_for_new_owner")
 
 
 class ReliableConsumer:

@@ -75,6 +75,9 @@ class RebalanceHandler:
         revoked = {(tp.topic, tp.partition) for tp in partitions}
         # Finish what is in flight for these partitions and commit it before the new owner starts.
         if not self.wait_idle(self._revoke_timeout_s, revoked):
+            # From here no record of these partitions starts (the queued ones are the new owner's to run):
+            # what still runs may finish before the commit below and count; the rest is redelivered.
+            self._commits.tracker.stop_starting(revoked)
             log.warning("records of revoked partitions still running after %.0fs; they will be redelivered",
                         self._revoke_timeout_s)
         try:

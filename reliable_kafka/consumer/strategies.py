@@ -210,11 +210,15 @@ class ConcurrentStrategy(RecordStrategy):
             queues[lane_of(w.msg, n)].put(w)
 
     def _work(self, q: queue.Queue[Work | None]) -> None:
+        may_start = self._commits.tracker.may_start
         while True:
             w = q.get()
             if w is None:
                 return
             try:
+                if not may_start(w.msg.topic(), w.msg.partition(), w.epoch):  # see LoopStrategy._lane
+                    self._failures.left_for_new_owner([w])
+                    continue
                 self._failures.process(self.handler, w)
             except Exception:
                 log.exception("worker failed on a record; it stays uncommitted and will be redelivered")
@@ -274,9 +278,15 @@ class LoopStrategy(RecordStrategy):
 
     async def _lane(self, q: asyncio.Queue[Work]) -> None:
         process, handler, stop, offload = self._failures.process_async, self._async_handler, self._stop, self._offload
+        may_start = self._commits.tracker.may_start
         while True:
             w = await q.get()
             try:
+                if not may_start(w.msg.topic(), w.msg.partition(), w.epoch):
+                    # Its partition was released (lost), or is about to be by a revoke that gave up waiting,
+                    # while the record waited in the lane: the new owner runs it; here too would repeat it.
+                    await offload(self._failures.left_for_new_owner, [w])
+                    continue
                 await process(handler, w, stop=stop, offload=offload)
             except Exception:
                 log.exception("lane failed on a record; it stays uncommitted and will be redelivered")

@@ -105,6 +105,42 @@ def test_lanes_run_one_key_in_order_and_complete_only_what_finished() -> None:
     assert {k: v for k, v in seen.items()} == {f"k{i}".encode(): list(range(i, 12, 3)) for i in range(3)}
 
 
+def test_records_waiting_in_a_lane_when_their_partition_is_released_are_left_for_the_new_owner() -> None:
+    p = parts(retry=RetryPolicy(attempts=1))  # revoke_timeout_s=1
+    gate = asyncio.Event()
+    ran: list[tuple[int, int]] = []
+
+    async def handler(msg: Message) -> None:
+        if (msg.partition(), msg.offset()) == (0, 0):
+            await gate.wait()  # still running when the revoke gives up waiting
+        ran.append((msg.partition(), msg.offset()))
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        lanes = LoopStrategy(handler, 2, loop, asyncio.Event(), lambda *a: loop.run_in_executor(None, *a),
+                             fetcher=p.fetcher, failures=p.failures, commits=p.commits)
+        p.rebalance.wait_idle = lanes.wait_idle  # as run() sets it
+        lanes.start()
+        # One key per partition: partition 0's records queue behind offset 0 in one lane.
+        msgs = [Message(topic=T, partition=part, offset=o, key=f"k{part}".encode())
+                for part in (0, 1) for o in range(6)]
+        await asyncio.to_thread(lanes.handle_fetched, msgs)
+        await asyncio.to_thread(p.rebalance.on_revoke, None, [TopicPartition(T, 0)])  # times out after 1 s
+        gate.set()
+        for _ in range(500):
+            if p.counters.get("left_for_new_owner") == 5 and p.counters.get("handled") == 7:
+                break
+            await asyncio.sleep(0.01)
+        await lanes.cancel()
+
+    asyncio.run(main())
+    assert [r for r in ran if r[0] == 0] == [(0, 0)], "records queued behind the revoke ran after it"
+    assert sorted(r for r in ran if r[0] == 1) == [(1, o) for o in range(6)]
+    assert p.counters.get("left_for_new_owner") == 5
+    assert p.client.commits == []  # offset 0 still ran at the revoke: nothing of partition 0 was committable
+    assert p.commits.committable() == {(T, 1): 6}
+
+
 # ---- the whole front end over a scripted client ---------------------------------------------------
 
 class ScriptedClient:

@@ -65,6 +65,37 @@ def test_a_revoke_commits_the_revoked_partitions_processed_offsets_before_releas
     assert p.commits.committable() == {(T, 1): 10}  # partition 1 stays ours, uncommitted
 
 
+def test_records_waiting_for_a_worker_when_their_partition_is_released_are_left_for_the_new_owner() -> None:
+    p = parts()  # revoke_timeout_s=1
+    gate = threading.Event()
+    ran: list[tuple[int, int]] = []
+
+    def handler(m: Message) -> None:
+        if (m.partition(), m.offset()) == (0, 0):
+            gate.wait(10)  # still running when the revoke gives up waiting
+        ran.append((m.partition(), m.offset()))
+
+    s = strategy(p, handler, concurrency=2)
+    p.rebalance.wait_idle = s.wait_idle  # as run() sets it
+    try:
+        # One key per partition: partition 0's records queue behind offset 0 on one worker.
+        s.handle_fetched([Message(topic=T, partition=part, offset=o, key=f"k{part}".encode())
+                          for part in (0, 1) for o in range(6)])
+        p.rebalance.on_revoke(None, [TopicPartition(T, 0)])  # type: ignore[arg-type]  # times out after 1 s
+        gate.set()
+        assert s.wait_idle(10)  # partition 1's records all finish
+        deadline = time.monotonic() + 10
+        while p.counters.get("left_for_new_owner") < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        s.close(10)
+    assert [r for r in ran if r[0] == 0] == [(0, 0)], "records queued behind the revoke ran after it"
+    assert sorted(r for r in ran if r[0] == 1) == [(1, o) for o in range(6)]
+    assert p.counters.get("left_for_new_owner") == 5
+    assert p.client.commits == []  # offset 0 still ran at the revoke: nothing of partition 0 was committable
+    assert p.commits.committable() == {(T, 1): 6}
+
+
 def test_a_lost_partition_is_forgotten_by_every_part_that_kept_something_of_it() -> None:
     def handler(m: Message) -> None:
         if m.offset() == 1:
