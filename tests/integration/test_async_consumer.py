@@ -262,7 +262,11 @@ def test_a_second_async_member_joining_mid_stream_loses_nothing(kafka: LocalKafk
     held: dict[str, list[list[tuple[str, int]]]] = {"a": [], "b": []}  # each member's assignment, as it changed
 
     async def main() -> None:
-        members = {name: AsyncReliableConsumer(conf(kafka, group), [topic], concurrency=4) for name in ("a", "b")}
+        # A revoke finishes what the member's lanes hold (up to max_in_flight records): a small bound keeps
+        # the slowed first member's revoke to seconds.
+        members = {name: AsyncReliableConsumer(conf(kafka, group), [topic], concurrency=4, max_batch=100,
+                                                 max_in_flight=300)
+                   for name in ("a", "b")}
 
         joined = asyncio.Event()  # set when the newcomer subscribes
 
@@ -313,20 +317,20 @@ def test_a_second_async_member_joining_mid_stream_loses_nothing(kafka: LocalKafk
 def test_records_still_queued_when_a_revoke_gives_up_waiting_run_only_on_the_new_owner(
         kafka: LocalKafkaCluster, make_topic) -> None:
     topic = make_topic(partitions=6)
-    values = fill(kafka.bootstrap_servers, topic, 3_000, keys=0, partitions=6)
+    values = fill(kafka.bootstrap_servers, topic, 1_800, keys=0, partitions=6)
     group = f"aio-timeout-{uuid.uuid4().hex[:8]}"
     handled: dict[str, list[bytes]] = {"a": [], "b": []}
     concurrency = 6
 
     async def main() -> None:
-        # The first member's handler takes 20 ms: with hundreds of records queued in its lanes, a revoke that
-        # waits 1 s for them always gives up. The newcomer is fast.
+        # The first member's handler takes 20 ms while it holds all six partitions: with hundreds of records
+        # queued in its lanes, a revoke that waits 1 s for them always gives up. Otherwise handlers are fast.
         members = {name: AsyncReliableConsumer(conf(kafka, group), [topic], concurrency=concurrency,
                                                revoke_timeout_s=1) for name in ("a", "b")}
 
         def handler_of(name: str) -> Callable[[Message], object]:
             async def handler(msg: Message) -> None:
-                await asyncio.sleep(0.02 if name == "a" else 0.0005)
+                await asyncio.sleep(0.02 if name == "a" and len(members["a"].assignment) == 6 else 0.0005)
                 handled[name].append(msg.value())  # type: ignore[arg-type]
 
             return handler
