@@ -84,6 +84,15 @@ class Dispatcher:
         self._guard = guard
         self._limits = guard.limits  # read per message below: the dict itself, not a call
         self._max_in_flight = max_in_flight
+        # Where a send that waited for room (_wait_for_room) still hands its rows over itself. Above
+        # max_in_flight: between that wait and the hand-over other senders may have filled librdkafka up
+        # to the bound, and a row that found it full went to the spool's backlog, every later row behind
+        # it (order), all handed over by the poller alone, on a GIL sixteen senders share, while the
+        # senders, spared produce(), appended faster: a trap. 16 threads, 400,000 send()s in "process":
+        # 180,730 and 277,607 rows through the backlog, 46,701 and 244,089 still in it when the last
+        # send returned; with the ceiling none, and 64,669-73,033 msgs/s against 43,486-47,252
+        # (CHANGELOG, "a soft bound for the hand-over").
+        self._hand_over_ceiling = max_in_flight + max_in_flight // 4
         self._send_timeout_s = send_timeout_s
         self._on_failed = on_failed
         self._spans = spans
@@ -208,7 +217,7 @@ class Dispatcher:
             self._last_seq = seq
             error = None
             if (self._dispatched_upto == seq - 1 and not self._redeliver and self._fatal is None
-                    and not self._holds and len(self._producer) < self._max_in_flight):
+                    and not self._holds and len(self._producer) < self._hand_over_ceiling):
                 outcome: bool | str = True
                 message_id, topic, value, key, headers, partition = row
                 limit = self._limits.get(topic)
@@ -264,7 +273,7 @@ class Dispatcher:
             # Hand over now only when no older row waits (order first) and librdkafka has room;
             # otherwise the poller hands them over from the spool, after the older ones.
             if (self._dispatched_upto == seqs[0] - 1 and not self._redeliver and self._fatal is None
-                    and not self._holds and len(self._producer) < self._max_in_flight):
+                    and not self._holds and len(self._producer) < self._hand_over_ceiling):
                 # The common case inline (no per-message method call: this loop is most of send's cost);
                 # anything unusual, and every exception, takes the general path of _produce().
                 produce, partial, report = self._producer.produce, functools.partial, self._report

@@ -88,7 +88,8 @@ class ReliableProducer:
         max_pending: spool bound; a full spool makes send() block up to `send_timeout_s`, then raise OutboxFull.
         max_in_flight: how many messages librdkafka may hold at once (its copies cost ~700 bytes of RSS
             each). Beyond it send() waits while brokers keep confirming, like a full librdkafka queue;
-            while they confirm nothing (they are away), the rest waits in the outbox instead.
+            while they confirm nothing (they are away), the rest waits in the outbox instead. Senders
+            that passed the wait together may take librdkafka up to 1.25 x the bound.
         preflight: "error" (default) refuses topics whose replication cannot keep acks=all durable,
             "warn" logs it, "off" skips the check.
         on_failed: called with the OutboxRow of each message Kafka refused for good.
