@@ -131,6 +131,11 @@ class CommitCoordinator:
         """Released partitions: their staged offsets are dropped, late completions become stale."""
         self.tracker.drop(partitions)
 
+    def stop_starting(self, partitions: Partitions) -> None:
+        """Partitions about to be released by a revoke that gave up waiting: their records not started yet
+        do not start (OffsetTracker.may_start); those running may still finish and be committed."""
+        self.tracker.stop_starting(partitions)
+
     def reset(self, topic: str, partition: int) -> None:
         self.tracker.reset(topic, partition)
 

@@ -77,7 +77,7 @@ class RebalanceHandler:
         if not self.wait_idle(self._revoke_timeout_s, revoked):
             # From here no record of these partitions starts (the queued ones are the new owner's to run):
             # what still runs may finish before the commit below and count; the rest is redelivered.
-            self._commits.tracker.stop_starting(revoked)
+            self._commits.stop_starting(revoked)
             log.warning("records of revoked partitions still running after %.0fs; they will be redelivered",
                         self._revoke_timeout_s)
         try:
