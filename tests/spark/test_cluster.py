@@ -94,13 +94,17 @@ def _one_job(spark_cluster: Any, kafka: Any, topic: str, markers: MarkerTopic, l
     `write_id` and `killed` (whether the kill fired before the job ended)."""
     write_id = f"kill-{uuid.uuid4().hex[:8]}"
     cluster = spark_cluster.cluster
-    # Every attempt passes a batch on every 0.25 s: a partition takes about 2 s, long enough to be
-    # caught with rows committed and the rest still to come.
+    # Every attempt passes a batch on every second: a partition takes about 8 s, its first chunk committed
+    # after 2 s, so it is caught with rows committed and the rest still to come even when the marker read
+    # that sees it takes seconds. (With 0.25 s a batch, a fresh-clone CI saw the partition finish between
+    # the read and the kill in all 3 jobs: the marker topic, shared with the suite's other Spark tests,
+    # is read from its start.)
     killed = False
+    read_s = 0.0  # the slowest marker read, for the log of a kill that came too late
     with _job(spark_cluster, {
         "bootstrap": kafka.bootstrap_servers, "topic": topic, "write_id": write_id, "ui_port": free_port(),
         "partitions": PARTITIONS, "rows_per_partition": ROWS, "value_bytes": VALUE_BYTES,
-        "options": {"chunkRows": "500"}, "slow": [{"seconds_per_batch": 0.25, "attempts": None}],
+        "options": {"chunkRows": "500"}, "slow": [{"seconds_per_batch": 1.0, "attempts": None}],
     }, log_path) as driver:
         keys = [partition_key(write_id, p) for p in range(PARTITIONS)]
         # A bound for a broken run, not a wait: on a loaded two-core host the cluster job took 80 s to
@@ -108,7 +112,9 @@ def _one_job(spark_cluster: Any, kafka: Any, topic: str, markers: MarkerTopic, l
         deadline = time.monotonic() + 300
         while not killed and driver.poll() is None:
             assert time.monotonic() < deadline, "no partition was caught mid-write within 300 s"
+            started = time.monotonic()
             found = markers.read(keys)
+            read_s = max(read_s, time.monotonic() - started)
             in_flight = [k for k in keys
                          if isinstance(m := found.get(k), PartitionMarker) and m.rows > 0 and not m.done]
             executors = cluster.executor_pids()
@@ -122,7 +128,7 @@ def _one_job(spark_cluster: Any, kafka: Any, topic: str, markers: MarkerTopic, l
             else:
                 time.sleep(0.1)
         result = _result(driver, log_path)
-    return {**result, "write_id": write_id, "killed": killed}
+    return {**result, "write_id": write_id, "killed": killed, "marker_read_s": round(read_s, 2)}
 
 
 def test_exactly_once_on_a_cluster_survives_executor_sigkills(spark_cluster, kafka, make_topic, tmp_path) -> None:
@@ -146,8 +152,9 @@ def test_exactly_once_on_a_cluster_survives_executor_sigkills(spark_cluster, kaf
         bit = result["killed"] and max(p["attempt"] for p in result["partitions"].values()) >= 1
         if bit:
             break
-        log.warning("job %d of %d: the executor kill did not land mid-write (killed=%s, partitions %s); "
-                    "running a fresh job", job, JOBS, result["killed"], result["partitions"])
+        log.warning("job %d of %d: the executor kill did not land mid-write (killed=%s, partitions %s, slowest "
+                    "marker read %.2f s); running a fresh job", job, JOBS, result["killed"], result["partitions"],
+                    result["marker_read_s"])
     assert bit, f"no executor kill landed mid-write in {JOBS} jobs; the last driver said:\n{_tail(log_path)}"
 
 
