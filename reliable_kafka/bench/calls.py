@@ -66,6 +66,9 @@ VARIANTS: tuple[CallVariant, ...] = (
                 durability="process"),
     CallVariant("aio-send-tasks-200-memory", "aio-raw-tasks-200", "reliable", 200, asyncio=True,
                 durability="memory"),
+    # fsync from tasks: the per-call path that needs no thread wake-up per message (the changelog's fsync note)
+    CallVariant("aio-send-tasks-200-fsync", "aio-raw-tasks-200", "reliable", 200, asyncio=True,
+                durability="fsync"),
 )
 BY_NAME = {v.name: v for v in VARIANTS}
 
