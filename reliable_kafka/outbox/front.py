@@ -102,8 +102,9 @@ class Outbox:
         if journal is None:
             journal = self.durability is Durability.PROCESS
         self._journal: AcceptJournal | None = None
-        # Journaled messages not settled into SQLite yet, by seq (in seq order), with when each was accepted.
-        self._unsettled: dict[int, tuple[NewMessage, int]] = {}
+        # Journaled messages not settled into SQLite yet, by seq (in seq order), with when each was accepted:
+        # see _Unsettled for why an entry is one plain tuple rather than the NewMessage.
+        self._unsettled: dict[int, _Unsettled] = {}
         self._settled_upto = 0  # every journal record with seq <= this is in SQLite or was delivered
         self._next_seq = 0  # with the journal: the next seq to hand out (SQLite's sequence trails it)
         self._last_settle = 0.0
@@ -200,7 +201,7 @@ class Outbox:
             journal.append(first, messages, now_ms)
             unsettled = self._unsettled
             for seq, m in enumerate(messages, first):
-                unsettled[seq] = (m, now_ms)
+                unsettled[seq] = m + (now_ms,)
             self._next_seq = first + count
             self._pending += count
             self._bytes += size
@@ -226,7 +227,7 @@ class Outbox:
             seq = self._next_seq
             journal.append_one(seq, m, now_ms)
             unsettled = self._unsettled
-            unsettled[seq] = (m, now_ms)
+            unsettled[seq] = m + (now_ms,)  # a plain tuple: see _Unsettled
             self._next_seq = seq + 1
             self._pending += 1
             if len(unsettled) >= _SETTLE_BACKLOG:
@@ -247,13 +248,13 @@ class Outbox:
             old_enough = time.time_ns() // 1_000_000 - _SETTLE_AGE_MS
             move = []
             for seq, entry in unsettled.items():
-                if entry[1] > old_enough:
+                if entry[_ACCEPTED_MS] > old_enough:
                     cutoff = seq - 1
                     break
                 move.append((seq, entry))
         if cutoff <= self._settled_upto:
             return
-        rows, _ = _rows_with_seqs([(seq, m, ms) for seq, (m, ms) in move])
+        rows, _ = _rows_with_seqs([(seq, _message(e), e[_ACCEPTED_MS]) for seq, e in move])
         with self._file.transaction("settle the journal") as conn:
             if rows:
                 conn.executemany(INSERT_WITH_SEQ_SQL, rows)
@@ -416,7 +417,7 @@ class Outbox:
             else:
                 gone.append(seq)
                 if count_bytes:
-                    freed += _size(entry[0])
+                    freed += _size(_message(entry))
         if gone:
             assert self._journal is not None
             self._journal.delivered(gone)
@@ -559,7 +560,7 @@ class Outbox:
             seqs = (seq for seq in range(after_seq + 1, self._next_seq) if seq in unsettled)
         out = []
         for seq in seqs:
-            out.append(_journal_row(seq, *unsettled[seq]))
+            out.append(_journaled_row(seq, unsettled[seq]))
             if limit is not None and len(out) >= limit:
                 break
         return out
@@ -570,7 +571,7 @@ class Outbox:
             self._file.usable()
             entry = self._unsettled.get(seq)
             if entry is not None:
-                return _journal_row(seq, *entry)
+                return _journaled_row(seq, entry)
             try:
                 raw = self._conn.execute(f"SELECT {COLUMNS} FROM messages WHERE seq = ?", (seq,)).fetchone()
                 if raw is not None:
@@ -622,7 +623,7 @@ class Outbox:
             if oldest_batch is not None:
                 created.append(oldest_batch)
             if self._unsettled:
-                created.append(next(iter(self._unsettled.values()))[1])
+                created.append(next(iter(self._unsettled.values()))[_ACCEPTED_MS])
             if self._journal_oldest_ms is not None:
                 created.append(self._journal_oldest_ms)
         age = None if not created else max(0.0, (time.time_ns() // 1_000_000 - min(created)) / 1000)
@@ -657,6 +658,24 @@ class Outbox:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+# An unsettled journal entry: the message's fields in NewMessage's order, then when it was accepted, in one
+# plain tuple (`message + (accepted_ms,)`). Plain, because the garbage collector stops tracking a plain tuple
+# of atoms (str, bytes, None, a tuple of header pairs) at its first collection, but tracks a NamedTuple for
+# as long as it lives: with (NewMessage, ms) entries every unsettled message was two tracked objects, each
+# send() a step towards a full collection. (A pair around a plain tuple is not enough either: the collector
+# reaches the inner one through the pair and examines the pair first, so the pair outlives a collection.)
+_Unsettled = tuple[Any, ...]
+_ACCEPTED_MS = len(NewMessage._fields)
+
+
+def _message(entry: _Unsettled) -> NewMessage:
+    return NewMessage._make(entry[:_ACCEPTED_MS])
+
+
+def _journaled_row(seq: int, entry: _Unsettled) -> OutboxRow:
+    return _journal_row(seq, _message(entry), entry[_ACCEPTED_MS])
 
 
 def _size(m: NewMessage) -> int:

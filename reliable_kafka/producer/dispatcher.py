@@ -7,7 +7,6 @@ A refusal for want of a permission (an ACL) keeps the message pending until it i
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -27,6 +26,7 @@ from reliable_kafka.errors import (
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.kafka_errors import Disposition, classify, describe, not_authorized
 from reliable_kafka.producer.holds import FIRST_WAIT_S, MAX_WAIT_S, AuthorizationHolds
+from reliable_kafka.producer.report_slots import ReportSlots
 from reliable_kafka.producer.send_spans import SendSpans
 from reliable_kafka.producer.topic_guard import TopicGuard
 from reliable_kafka.spool import NewMessage, OutboxRow, Spool
@@ -125,12 +125,11 @@ class Dispatcher:
         # (a failure, a retry, a rebuild), except "sent", see accept().
         self.counters = Counters(STATS)
         self._producer = self._new_producer()
-        # One bound method for every callback: a partial over it holds only (seq, generation, topic),
-        # a tuple of atoms the garbage collector stops tracking, so each in-flight message costs it
-        # one object (the partial) instead of two.
+        # Each message's delivery callback is a slot reused from a pool (report_slots.py: a partial per
+        # message kept one tracked object per message in flight, and the collector's work grew with it).
         # With tracing the reports also settle the send spans: a callback chosen here, so that without
         # it no report pays even for the check.
-        self._report = self._on_delivery if spans is None else self._on_delivery_traced
+        self._reports = ReportSlots(self._on_delivery if spans is None else self._on_delivery_traced)
         self._poller = threading.Thread(target=self._poll_loop, name="reliable-kafka-producer", daemon=True)
 
     def start(self) -> int:
@@ -225,7 +224,7 @@ class Dispatcher:
                         len(value) if value else 0) + (len(key) if key else 0) + 4096 <= limit):
                     try:
                         self._producer.produce(topic, value, key, -1,
-                                               functools.partial(self._report, seq, self._generation, topic),
+                                               self._reports.take(seq, self._generation, topic),
                                                None, 0, [(ID_HEADER, message_id.encode())])
                     except (BufferError, KafkaException):
                         outcome = self._produce(row, seq)
@@ -276,7 +275,7 @@ class Dispatcher:
                     and not self._holds and len(self._producer) < self._hand_over_ceiling):
                 # The common case inline (no per-message method call: this loop is most of send's cost);
                 # anything unusual, and every exception, takes the general path of _produce().
-                produce, partial, report = self._producer.produce, functools.partial, self._report
+                produce, take = self._producer.produce, self._reports.take
                 generation, limits, upto = self._generation, self._limits, self._dispatched_upto
                 try:
                     for row, seq in zip(rows, seqs, strict=True):
@@ -286,7 +285,7 @@ class Dispatcher:
                                 len(value) if value else 0) + (len(key) if key else 0) + 4096 <= limit):
                             try:
                                 # Positional (see _produce): a keyword argument costs ~1 µs per call.
-                                produce(topic, value, key, -1, partial(report, seq, generation, topic), None, 0,
+                                produce(topic, value, key, -1, take(seq, generation, topic), None, 0,
                                         [(ID_HEADER, message_id.encode())])
                                 upto = seq
                                 continue
@@ -331,7 +330,7 @@ class Dispatcher:
                 self._fail(seq, oversized)
                 return oversized
         headers: list[tuple[str, str | bytes | None]] = [(ID_HEADER, row.message_id.encode()), *row.headers]
-        callback = functools.partial(self._report, seq, self._generation, topic)
+        callback = self._reports.take(seq, self._generation, topic)
         try:
             # produce(topic, value, key, partition, callback, on_delivery, timestamp, headers), all
             # positional: confluent-kafka parses keyword arguments at ~1 µs each, as much as the rest

@@ -8,6 +8,7 @@ comes back (it must not).
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import signal
@@ -193,6 +194,23 @@ def test_append_one_writes_what_append_writes_and_refuses_the_same(tmp_path: Pat
     assert [(s, m) for s, m, _ in read_journal(path)] == sent
     assert box.stats().pending == 200
     box.close()
+
+
+def test_journaled_messages_leave_the_garbage_collector_nothing_to_track(tmp_path: Path) -> None:
+    """An unsettled message is held as a plain tuple of atoms, which the collector stops tracking: 10,000
+    pending messages add (almost) no tracked objects, so send()s do not drive full collections (held as
+    (NewMessage, ms) pairs they added 10,006). Read back, they are the messages that were appended."""
+    with Outbox(tmp_path / "o.db") as box:
+        sent = [one(f"v-{i}".encode(), key=b"k" if i % 2 else None)[0] for i in range(10_000)]
+        gc.collect()
+        before = len(gc.get_objects())
+        seqs = [box.append_one(m) if i % 2 else box.append([m])[0] for i, m in enumerate(sent)]
+        gc.collect()
+        assert len(gc.get_objects()) - before < 500
+        assert box.stats().pending == 10_000
+        back = box.pending(limit=None)
+        assert [(r.seq, r.message_id, r.key, r.value) for r in back] == [
+            (s, m.message_id, m.key, m.value) for s, m in zip(seqs, sent, strict=True)]
 
 
 def test_fsync_durability_keeps_a_transaction_per_append(tmp_path: Path) -> None:

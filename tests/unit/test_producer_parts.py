@@ -201,6 +201,30 @@ def test_a_broker_size_refusal_is_judged_off_the_callback_and_fails_only_the_ove
     assert counts.sent == 5
 
 
+def test_delivery_callbacks_are_reused_and_each_report_settles_its_own_message(mock: MockCluster) -> None:
+    """A message's delivery callback is a slot put back by its report (report_slots.py): 3,000 messages in
+    rounds of 100 are each settled once, by their own seq, from about a round's worth of slots."""
+    topic = f"t-{uuid.uuid4().hex[:8]}"
+    mock.create_topic(topic, partitions=3, replication_factor=3)
+    spool = MemorySpool()
+    d = Dispatcher({"bootstrap.servers": mock.bootstrap_servers, "linger.ms": 1}, spool,
+                   TopicGuard({"bootstrap.servers": mock.bootstrap_servers}, "off"), max_in_flight=1_000,
+                   send_timeout_s=5, on_failed=None)
+    delivered: list[int] = []
+    d.set_listener(lambda ok, _failed: delivered.extend(ok))
+    assert d.start() == 0
+    try:
+        seqs = []
+        for r in range(30):
+            seqs += [d.accept_one(NewMessage(f"m-{r}-{i}", topic, b"v"))[0] for i in range(100)]
+            assert d.wait_until(lambda: spool.stats().pending, lambda n: n == 0, 30, 0.01) == 0
+    finally:
+        assert d.stop() == 0
+    assert sorted(delivered) == seqs and len(set(delivered)) == 3_000
+    assert d.counters.stats().delivered == 3_000
+    assert len(d._reports._free) <= 200, "slots are taken again once their report came back"
+
+
 def test_the_poller_runs_on_its_own_thread_and_stop_lets_go_of_what_librdkafka_holds(silent_broker: str) -> None:
     spool = MemorySpool()
     conf = {**BOOT, "bootstrap.servers": silent_broker}
