@@ -417,7 +417,7 @@ class Outbox:
             else:
                 gone.append(seq)
                 if count_bytes:
-                    freed += _size(_message(entry))
+                    freed += _size(entry)
         if gone:
             assert self._journal is not None
             self._journal.delivered(gone)
@@ -678,10 +678,12 @@ def _journaled_row(seq: int, entry: _Unsettled) -> OutboxRow:
     return _journal_row(seq, _message(entry), entry[_ACCEPTED_MS])
 
 
-def _size(m: NewMessage) -> int:
+def _size(m: NewMessage | _Unsettled) -> int:
     """A message's payload bytes as the bound counts them (rows.SIZE_SQL counts the encoded headers;
-    this counts their values: close enough for a bound, and free of encoding)."""
-    return (len(m.key) if m.key else 0) + (len(m.value) if m.value else 0) + sum(len(v) for _, v in m.headers)
+    this counts their values: close enough for a bound, and free of encoding). By position, so that an
+    unsettled entry (NewMessage's fields first) is measured as it is, without a NewMessage made for it."""
+    value, key, headers = m[2], m[3], m[4]
+    return (len(key) if key else 0) + (len(value) if value else 0) + sum(len(v) for _, v in headers)
 
 
 def _journal_row(seq: int, m: NewMessage, created_ms: int) -> OutboxRow:
