@@ -173,11 +173,12 @@ class _Sender:
             part = (self.partition + row // STICKY_ROWS) % count
             for i in range(start, end):
                 # A dict is the cheapest header form confluent-kafka takes.
-                header = {ID_HEADER: b"%s%d" % (prefix, first_row + i)}
+                header: dict[str, str | bytes | None] = {ID_HEADER: b"%s%d" % (prefix, first_row + i)}
                 if trace:
                     header.update(trace)
                 try:
-                    produce(topic, values[i], None, part, headers=header)  # type: ignore[arg-type]
+                    # Positional, as below: the headers keyword alone cost 0.25 µs of a ~1 µs call.
+                    produce(topic, values[i], None, part, None, None, 0, header)
                 except BufferError:
                     self._wait_for_room(topic, values[i], None, part, header)
             start = end
