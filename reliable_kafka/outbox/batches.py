@@ -45,16 +45,17 @@ def plain_batch(messages: Sequence[NewMessage]) -> tuple[str, str, array[int], b
     """(topic, ids, sizes, payload) of a `batches` row when every message is plain, else None."""
     if len(messages) < BATCH_MIN:
         return None
-    topic = messages[0].topic
-    values = []
-    for m in messages:
-        if m.topic != topic or m.key is not None or m.headers or m.partition is not None or type(m.value) is not bytes:
-            return None
-        values.append(m.value)
-    ids = "\n".join([m.message_id for m in messages])
-    if ids.count("\n") != len(messages) - 1:  # a caller's own id with a newline in it
+    # send_many()'s path: the checks run over the batch's columns (zip and count are C loops), not an
+    # attribute test per message in Python (~0.1 us a message of 1,000-message batches).
+    ids, topics, values, keys, headers, partitions = zip(*messages, strict=True)
+    n, topic = len(messages), topics[0]
+    if (topics.count(topic) != n or keys.count(None) != n or partitions.count(None) != n or any(headers)
+            or set(map(type, values)) != {bytes}):
         return None
-    return topic, ids, array("I", map(len, values)), b"".join(values)
+    joined = "\n".join(ids)
+    if joined.count("\n") != n - 1:  # a caller's own id with a newline in it
+        return None
+    return topic, joined, array("I", map(len, values)), b"".join(values)
 
 
 def _sizes_blob(sizes: array[int]) -> bytes:
@@ -153,17 +154,37 @@ class BatchBook:
 
     def split(self, seqs: list[int]) -> tuple[list[int], dict[int, set[int]], list[int]]:
         """Sort confirmed seqs: (seqs of `messages` rows, new seqs per batch row, batch rows now complete)."""
-        rows = []
+        # The poller's path, once per round of delivery reports: the seqs are sorted and each batch row
+        # takes its run of them with two bisections and one set difference, all in C. A bisection and a
+        # set insertion per seq in Python was ~0.3 us per delivered message of an outbox-only loop
+        # (1,000-message batches), most of what recording their delivery cost.
+        firsts, batches = self._firsts, self.batches
+        if not firsts:
+            return list(seqs), {}, []
+        ordered = sorted(seqs)
+        rows: list[int] = []
         in_batches: dict[int, set[int]] = {}
-        batch_of = self.batch_of
-        for seq in seqs:
-            batch = batch_of(seq)
-            if batch is None:
-                rows.append(seq)
-            elif seq not in batch.done:
-                in_batches.setdefault(batch.first, set()).add(seq)
-        complete = [first for first, seqs_in in in_batches.items()
-                    if len(self.batches[first].done) + len(seqs_in) == self.batches[first].count]
+        complete: list[int] = []
+        i, n, k_max = 0, len(ordered), len(firsts) - 1
+        while i < n:
+            k = bisect.bisect_right(firsts, ordered[i]) - 1
+            if k >= 0:
+                batch = batches[firsts[k]]
+                last = batch.first + batch.count - 1
+                if ordered[i] <= last:
+                    j = bisect.bisect_right(ordered, last, i)
+                    new = set(ordered[i:j])
+                    new -= batch.done
+                    if new:
+                        in_batches[batch.first] = new
+                        if len(batch.done) + len(new) == batch.count:
+                            complete.append(batch.first)
+                    i = j
+                    continue
+            # In no batch row: every seq up to the next batch row's first is a `messages` row.
+            j = bisect.bisect_left(ordered, firsts[k + 1], i) if k < k_max else n
+            rows += ordered[i:j]
+            i = j
         return rows, in_batches, complete
 
     @staticmethod

@@ -6,7 +6,9 @@ so that a change inside one part shows up where it was made.
 
 from __future__ import annotations
 
+import random
 import sqlite3
+from array import array
 from pathlib import Path
 
 import pytest
@@ -97,3 +99,38 @@ def test_batch_book_counts_a_batch_and_frees_it_once_all_its_messages_are_in(tmp
         assert book.batches == {} and book.oldest_created_ms() is None
     finally:
         conn.close()
+
+
+def test_batch_book_split_sorts_every_seq_as_one_lookup_per_seq_would() -> None:
+    """split() takes each batch row's run of seqs at once: the same answer as looking each seq up, for
+    seqs in any order, repeated, before, between and after batch rows, some already confirmed."""
+    rng = random.Random(7)
+    for _ in range(300):
+        book = BatchBook(keep_sizes=False, follows_writer=False)
+        first = rng.randint(1, 5)
+        for _batch in range(rng.randint(1, 5)):
+            count = rng.randint(1, 6)
+            book.inserted(first, count, 0, 0, array("I"))
+            book.batches[first].done = {s for s in range(first, first + count) if rng.random() < 0.3}
+            first += count + rng.choice([0, 0, 1, 3])  # message rows may lie between batch rows
+        seqs = [rng.randint(0, first + 2) for _ in range(rng.randint(0, 25))]
+
+        rows: list[int] = []
+        expected: dict[int, set[int]] = {}
+        for seq in seqs:
+            batch = book.batch_of(seq)
+            if batch is None:
+                rows.append(seq)
+            elif seq not in batch.done:
+                expected.setdefault(batch.first, set()).add(seq)
+        complete = {f for f, s in expected.items() if len(book.batches[f].done) + len(s) == book.batches[f].count}
+
+        got_rows, got, got_complete = book.split(seqs)
+        assert sorted(got_rows) == sorted(rows) and got == expected and set(got_complete) == complete
+
+
+def test_plain_batch_needs_bytes_values() -> None:
+    assert plain_batch([m._replace(value=bytearray(m.value or b"")) for m in _plain(8)]) is None
+    assert plain_batch([m._replace(value=None) for m in _plain(8)]) is None
+    assert plain_batch([m._replace(headers=(("h", b"v"),)) if i == 5 else m for i, m in enumerate(_plain(8))]) is None
+    assert plain_batch([m._replace(partition=0) if i == 7 else m for i, m in enumerate(_plain(8))]) is None
