@@ -25,14 +25,14 @@ With --fsync it is the bound of durability "fsync" built the same way, one sync 
 sender `fdatasync()`s its own journal file after its record (the GIL released, the other senders going
 on), so no sender waits for another's commit or is woken by another thread; against it, send() from 16
 threads in "fsync" (the group commit). Why it might pay: this host's disk serves concurrent syncs of
-different files in parallel (about 6k syncs/s from one file, 41k from 16 files at once, measured with a
-pwrite and an fdatasync per sync), where the group commit serializes them. Left out besides the above:
-syncing the directory when a segment is created (once per 16 MiB). Each sender creates its lane before
-the clock starts. With --zeroed as well, a lane's file is written with zeros and synced then, instead of
-preallocated (posix_fallocate leaves unwritten extents, so the first store into each block is a metadata
-change that a sync must commit through ext4's journal, together with whatever else is dirty on the
-filesystem, the brokers' logs included). Default PATH: benchmarks/results/journal/fsync-lanes-bound.json
-(fsync-lanes-zeroed-bound.json with --zeroed).
+different files in parallel (6,254 syncs/s from one file, 33,548 from 16 files at once, a pwrite and
+an fdatasync per sync: benchmarks/parallel_fdatasync.py), where the group commit serializes them. Left
+out besides the above: syncing the directory when a segment is created (once per 16 MiB). Each sender
+creates its lane before the clock starts. With --zeroed as well, a lane's file is written with zeros and
+synced then, instead of preallocated (posix_fallocate leaves unwritten extents, so the first store into
+each block is a metadata change that a sync must commit through ext4's journal, together with whatever
+else is dirty on the filesystem, the brokers' logs included). Default PATH:
+benchmarks/results/journal/fsync-lanes-bound.json (fsync-lanes-zeroed-bound.json with --zeroed).
 """
 
 from __future__ import annotations
