@@ -169,16 +169,21 @@ class FatalError:
     def seen(self, client: Any = None) -> KafkaError | None:
         """The fatal error, once `client` (the producer it watches) served its pending callbacks."""
         if self.error is None and client is not None:
-            try:
-                client.poll(0)
-            except KafkaException as exc:
-                # The fatal event, raised instead of handed to error_cb; poll() raises it only once.
-                err = _unwrap(exc)
-                if isinstance(err, KafkaError) and err.fatal():
-                    self.error = err
-            except RuntimeError:  # the client is closed
-                pass
+            self.poll(client)
         return self.error
+
+    def poll(self, client: Any) -> None:
+        """Serve `client`'s pending callbacks (poll(0)); a fatal error that poll() raises is kept, not raised
+        (the next call that depends on the client's state, a transactional one, reports it)."""
+        try:
+            client.poll(0)
+        except KafkaException as exc:
+            # The fatal event, raised instead of handed to error_cb; poll() raises it only once.
+            err = _unwrap(exc)
+            if isinstance(err, KafkaError) and err.fatal():
+                self.error = err
+        except RuntimeError:  # the client is closed
+            pass
 
 
 # The broker holds a newer epoch for this producer id than the request carried (INVALID_PRODUCER_EPOCH).
@@ -197,6 +202,18 @@ def epoch_bumped(error: KafkaError | KafkaException | int) -> bool:
     if code == KafkaError.INVALID_PRODUCER_EPOCH:
         return True
     return code == KafkaError._FENCED and isinstance(err, KafkaError) and _OLD_EPOCH_TEXT in err.str()
+
+
+def old_epoch_on_produce(error: KafkaError | KafkaException | int) -> bool:
+    """True for an old-epoch refusal of a ProduceRequest, i.e. from a partition leader.
+
+    A partition leader learns a newer epoch of a producer id only from the transaction markers the
+    transaction coordinator writes when it bumps the epoch: for a newer instance's init_transactions (a
+    takeover), or to abort a transaction that outlived transaction.timeout.ms. librdkafka names the request
+    at the start of the fatal error's text ("ProduceRequest for <topic> [<partition>] ... failed: ...").
+    """
+    err = _unwrap(error)
+    return epoch_bumped(error) and isinstance(err, KafkaError) and err.str().startswith("ProduceRequest")
 
 
 def not_authorized(error: KafkaError | KafkaException | int) -> bool:

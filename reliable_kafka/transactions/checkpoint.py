@@ -125,6 +125,8 @@ class Checkpoint:
         # The open transaction: what has been written into it so far, and when it is due.
         self.open = False
         self.deadline = 0.0
+        self._began_at = 0.0  # when begin_transaction() opened it (monotonic)
+        self._transaction_timeout_s = int(producer_config.get("transaction.timeout.ms", 60_000)) / 1000
         self._offsets: dict[TopicPartitionKey, int] = {}
         self.messages = 0
         self._outputs = 0
@@ -183,7 +185,8 @@ class Checkpoint:
             self.recover(Failure("begin_transaction", TxnStep.STOP if fatal else TxnStep.RECREATE, exc))
             return Outcome.REWOUND
         self.open = True
-        self.deadline = (time.monotonic() if opened_at is None else opened_at) + self.interval_s
+        self._began_at = time.monotonic()
+        self.deadline = (self._began_at if opened_at is None else opened_at) + self.interval_s
         return Outcome.DONE
 
     def write(self, batch: Batch, opened_at: float | None = None) -> Outcome:
@@ -460,10 +463,21 @@ class Checkpoint:
         return Outcome.REWOUND
 
     def _must_stop(self, failure: Failure) -> bool:
+        if failure.step is TxnStep.STOP:
+            return True
+        if not kafka_errors.epoch_bumped(failure.error):
+            return False
         # An old epoch while owning no partitions is a zombie's fence: a new producer would fence the
         # instance that owns the work now.
-        return failure.step is TxnStep.STOP or (kafka_errors.epoch_bumped(failure.error)
-                                                and not self._owns_partitions())
+        if not self._owns_partitions():
+            return True
+        # A partition leader's old-epoch answer to a transaction younger than transaction.timeout.ms: the
+        # coordinator cannot have timed it out (it counts from the transaction's first partition, which
+        # comes after begin), so a newer instance's init_transactions bumped the epoch. That instance may
+        # not have joined the group yet, so owning partitions proves nothing; a new producer here would
+        # fence it in turn (the two instances then fence each other until one gives up).
+        return (kafka_errors.old_epoch_on_produce(failure.error)
+                and time.monotonic() - self._began_at < self._transaction_timeout_s)
 
     def _owns_partitions(self) -> bool:
         consumer = self.consumer

@@ -65,6 +65,13 @@ class TransactionalClient:
             del old
         return self.start()
 
+    def serve_reports(self) -> None:
+        """Serve the producer's delivery reports. A fatal error is not raised here (confluent-kafka 2.16
+        raises it from poll() once): the transactional call that follows fails with it, and the checkpoint
+        decides what it means, as for any failed transactional call."""
+        if self.producer is not None:
+            self._fatal.poll(self.producer)
+
     def stop_error(self, failure: Failure) -> ReliableKafkaError:
         """The error a fatal failure stops the instance with: TransactionFenced when it is a fence.
 

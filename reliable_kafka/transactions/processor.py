@@ -304,9 +304,7 @@ class TransactionalProcessor:
         msgs = consumer.consume(num_messages=max(1, min(room, _CONSUME_CHUNK)), timeout=wait)
         outcome = self._process_batch(msgs) if msgs else checkpoint.add(Batch())
         if outcome is not Outcome.REWOUND and checkpoint.committing is None and checkpoint.open:
-            producer = checkpoint.client.producer
-            assert producer is not None
-            producer.poll(0)  # serve delivery reports so they do not pile up
+            checkpoint.client.serve_reports()  # so they do not pile up
 
     def _process_batch(self, msgs: list[Message]) -> Outcome:
         # The per-record hot path: plain locals, no helper calls unless something is unusual. Processed

@@ -380,6 +380,41 @@ def test_an_old_epoch_without_a_takeover_recreates_the_producer_and_goes_on(mock
     assert stats.producer_recreations == 1 and stats.transactions_aborted >= 1, stats
 
 
+def test_an_old_epoch_on_produce_in_a_young_transaction_is_a_takeover_and_stops(mock: MockCluster) -> None:
+    """A partition leader answers "old epoch" to a ProduceRequest only after the coordinator bumped the epoch:
+    with the transaction younger than transaction.timeout.ms, a newer instance did (seen on the cluster: the
+    newer one had not joined the group yet, so the old one still owned its partitions). It stops; a new
+    producer would fence the newer instance."""
+    copy = Copy(mock)
+    copy.feed()
+    mock.push_request_errors("Produce", [KafkaError.INVALID_PRODUCER_EPOCH])
+    copy.start().join()
+    assert isinstance(copy.error, TransactionFenced), repr(copy.error)
+    assert "ProduceRequest" in str(copy.error) and copy.tid in str(copy.error), str(copy.error)
+    assert copy.committed == 0 and copy.stats.producer_recreations == 0, copy.stats
+
+
+def test_an_old_epoch_on_produce_after_the_transaction_timeout_recreates_the_producer(mock: MockCluster) -> None:
+    """The same answer to a transaction older than transaction.timeout.ms: the coordinator may have aborted it
+    for its age and bumped the epoch itself, so a new producer redoes the transaction (the instance owns its
+    partitions). The mock times nothing out: the 1.5 s batch only makes the transaction older than 1 s."""
+    copy = Copy(mock)
+    copy.processor = TransactionalProcessor(
+        {"bootstrap.servers": mock.bootstrap_servers, "group.id": copy.group}, input_topics=[copy.source],
+        transform=lambda msg: [OutputRecord(copy.output, msg.value(), msg.key())], transactional_id=copy.tid,
+        operation_timeout_s=2.0, on_commit=copy._on_commit, max_batch_interval_s=1.5,
+        producer_overrides={"transaction.timeout.ms": 1000, "message.timeout.ms": 1000},
+    )
+    copy.feed()
+    mock.push_request_errors("Produce", [KafkaError.INVALID_PRODUCER_EPOCH])
+    copy.start()
+    copy.wait(lambda: copy.stats.producer_recreations >= 1, "the producer to be recreated")
+    copy.wait_committed(N)
+    stats = copy.finish()
+    assert copy.error is None, repr(copy.error)
+    assert stats.producer_recreations == 1 and stats.transactions_aborted >= 1, stats
+
+
 @pytest.mark.parametrize(
     ("error", "bumped"),
     [
