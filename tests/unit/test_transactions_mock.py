@@ -64,7 +64,8 @@ class Copy:
     (so one of them can be slowed down alone)."""
 
     def __init__(self, mock: MockCluster, timeout_s: float = 2.0,
-                 transform: Callable[[Message, str], list[OutputRecord]] | None = None) -> None:
+                 transform: Callable[[Message, str], list[OutputRecord]] | None = None,
+                 batch_interval_s: float = 0.1, producer_overrides: dict[str, Any] | None = None) -> None:
         self.mock = mock
         suffix = uuid.uuid4().hex[:6]
         self.source, self.output = f"in-{suffix}", f"out-{suffix}"
@@ -86,7 +87,9 @@ class Copy:
             transactional_id=self.tid,
             operation_timeout_s=timeout_s,
             on_commit=self._on_commit,
-            producer_overrides={"statistics.interval.ms": 100, "stats_cb": self._on_stats},
+            max_batch_interval_s=batch_interval_s,
+            producer_overrides={"statistics.interval.ms": 100, "stats_cb": self._on_stats,
+                                **(producer_overrides or {})},
         )
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -369,9 +372,13 @@ def _reader(mock: MockCluster, topic: str) -> list[Message]:
 def test_an_old_epoch_without_a_takeover_recreates_the_producer_and_goes_on(mock: MockCluster) -> None:
     """INVALID_PRODUCER_EPOCH on TxnOffsetCommit (seen after a coordinator's broker was SIGKILLed, with no
     other instance alive): librdkafka reports _FENCED, but no newer producer said so; a new producer goes on."""
-    copy = Copy(mock)
+    recreates_the_producer_once_and_goes_on(Copy(mock), "TxnOffsetCommit")
+
+
+def recreates_the_producer_once_and_goes_on(copy: Copy, api: str) -> None:
+    """`api` answers INVALID_PRODUCER_EPOCH once: the copy recreates its producer, once, and commits everything."""
     copy.feed()
-    mock.push_request_errors("TxnOffsetCommit", [KafkaError.INVALID_PRODUCER_EPOCH])
+    copy.mock.push_request_errors(api, [KafkaError.INVALID_PRODUCER_EPOCH])
     copy.start()
     copy.wait(lambda: copy.stats.producer_recreations >= 1, "the producer to be recreated")
     copy.wait_committed(N)
@@ -398,21 +405,9 @@ def test_an_old_epoch_on_produce_after_the_transaction_timeout_recreates_the_pro
     """The same answer to a transaction older than transaction.timeout.ms: the coordinator may have aborted it
     for its age and bumped the epoch itself, so a new producer redoes the transaction (the instance owns its
     partitions). The mock times nothing out: the 1.5 s batch only makes the transaction older than 1 s."""
-    copy = Copy(mock)
-    copy.processor = TransactionalProcessor(
-        {"bootstrap.servers": mock.bootstrap_servers, "group.id": copy.group}, input_topics=[copy.source],
-        transform=lambda msg: [OutputRecord(copy.output, msg.value(), msg.key())], transactional_id=copy.tid,
-        operation_timeout_s=2.0, on_commit=copy._on_commit, max_batch_interval_s=1.5,
-        producer_overrides={"transaction.timeout.ms": 1000, "message.timeout.ms": 1000},
-    )
-    copy.feed()
-    mock.push_request_errors("Produce", [KafkaError.INVALID_PRODUCER_EPOCH])
-    copy.start()
-    copy.wait(lambda: copy.stats.producer_recreations >= 1, "the producer to be recreated")
-    copy.wait_committed(N)
-    stats = copy.finish()
-    assert copy.error is None, repr(copy.error)
-    assert stats.producer_recreations == 1 and stats.transactions_aborted >= 1, stats
+    copy = Copy(mock, batch_interval_s=1.5,
+                producer_overrides={"transaction.timeout.ms": 1000, "message.timeout.ms": 1000})
+    recreates_the_producer_once_and_goes_on(copy, "Produce")
 
 
 @pytest.mark.parametrize(
