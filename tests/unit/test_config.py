@@ -14,6 +14,7 @@ from reliable_kafka.config import (
     TRANSACTIONAL_DEFAULTS,
     check_client_settings,
     connection_settings,
+    keyed_record_config,
 )
 from reliable_kafka.errors import ConfigError
 from reliable_kafka.rdkafka_conf import PropertyTable, property_table
@@ -156,3 +157,14 @@ def test_a_refused_value_is_not_repeated_in_the_error() -> None:
         check_client_settings({"security.protocol": "hunter2-secret"})
     assert refused.value.key == "security.protocol"
     assert "hunter2" not in str(refused.value)
+
+
+def test_keyed_records_are_written_with_acks_all_and_unlimited_retries_one_request_at_a_time() -> None:
+    cfg = keyed_record_config({"bootstrap.servers": "127.0.0.1:1", "linger.ms": 0})
+    assert str(cfg["acks"]) in ("all", "-1") and cfg["retries"] >= 2**31 - 1, cfg
+    assert cfg["enable.idempotence"] is False and cfg["max.in.flight.requests.per.connection"] == 1, cfg
+    # Everything producer_config() refuses is refused here too: only idempotence is left out.
+    with pytest.raises(ConfigError, match="acks"):
+        keyed_record_config({"bootstrap.servers": "127.0.0.1:1", "acks": 1})
+    with pytest.raises(ConfigError, match="retries"):
+        keyed_record_config({"bootstrap.servers": "127.0.0.1:1", "retries": 3})
