@@ -7,11 +7,12 @@ A VARIANT is `chunk=N,sticky=N,linger=N` (any of the three, the others at the wr
 `chunkRows` option, the rows per Kafka partition block (writer.STICKY_ROWS) and `kafka.linger.ms`. A task
 writes ROWS rows of 100 bytes (batches of 10,000 rows, Spark's Arrow default) to a fresh 4-partition topic
 under a fresh write id, once per VARIANT per round, interleaved, the order reversed every other round,
-after one unmeasured task. Timed per task: the driver's prepare_write() (not part of the task's
-time), the producer's creation, init_transactions(), the marker read,
-the rows (fingerprint, produce() calls and the waits for room), each commit (marker and
-commit_transaction()), and the whole; and each thread's CPU per row (librdkafka's threads by name). A
-3-node local cluster; no Spark, so no Spark scheduling or JVM in the figures: this is the task's own cost.
+after one unmeasured task. Timed per task: the driver's prepare_write() (not part of the task's time),
+the producer's creation, init_transactions(), the marker read, the rows (fingerprint, produce() calls and
+the waits for room), each commit (marker and commit_transaction()), and the whole; and the CPU per row of
+the task's Python thread (librdkafka's threads end with the task's producer, before they can be read:
+rdkafka_thread_cpu.py measures those). A 3-node local cluster; no Spark, so no Spark scheduling or JVM in
+the figures: this is the task's own cost.
 """
 
 from __future__ import annotations

@@ -30,21 +30,20 @@ VARIANTS = ("spark_kafka_sink_batched", "exactly_once")
 
 
 def child(bootstrap: str, rows: int, rounds: int) -> dict[str, list[float]]:
-    from confluent_kafka.admin import AdminClient, NewTopic
     from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 
     import reliable_kafka
     from reliable_kafka.bench.spark import OUR_WRITER_BATCHING
+    from reliable_kafka.cli.bench import _create_topic_fn
     from reliable_kafka.spark.api import write_kafka
     from reliable_kafka.spark.local import local_session
 
     print(f"child: reliable_kafka from {reliable_kafka.__file__}", file=sys.stderr, flush=True)
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    create_topic = _create_topic_fn({"bootstrap.servers": bootstrap})  # the bench's: waits for every leader
 
     def fresh_topic() -> str:
         name = f"ab-{uuid.uuid4().hex[:10]}"
-        admin.create_topics([NewTopic(name, 4, 3)])[name].result(60)
-        time.sleep(0.5)  # leaders elected everywhere before the clock starts
+        create_topic(name, 4)
         return name
 
     spark = local_session(app_name="spark-before-after")
