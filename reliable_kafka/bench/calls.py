@@ -24,6 +24,7 @@ from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.bench.common import BenchRow, Connection, loop_stalls, rows_against
 from reliable_kafka.config import producer_config
 from reliable_kafka.ids import ID_HEADER, new_id
+from reliable_kafka.producer_id import prime_producer_id
 from reliable_kafka.testing.loop_stall import LoopStallProbe
 
 BENCH = "producer-calls"
@@ -126,6 +127,7 @@ def _raw_threads(connection: Connection, topic: str, n: int, threads: int) -> Ou
     per message (an rk-id-like header, a delivery callback), a poller thread serving the reports. BufferError
     is waited out by polling and producing again. The clock stops at the last delivery report."""
     p = Producer(producer_config(connection))
+    prime_producer_id(p)  # as ReliableProducer's poller does: no variant's clock holds the 0.5 s id wait
     lock = threading.Lock()
     settled = [0, 0]  # delivered, failed
     all_back = threading.Event()
@@ -228,6 +230,9 @@ async def _aio_raw(connection: Connection, topic: str, n: int, tasks: int) -> Ou
     from confluent_kafka.aio import AIOProducer
 
     p = AIOProducer(producer_config(connection))
+    inner = getattr(p, "_producer", None)  # AIOProducer's own librdkafka producer (no public handle)
+    if inner is not None:
+        prime_producer_id(inner)  # as our poller primes ours: no variant's clock holds the 0.5 s id wait
     settled = [0, 0]  # delivered, failed
 
     def on_done(fut: asyncio.Future[Any]) -> None:

@@ -25,6 +25,7 @@ from reliable_kafka.bench import calls
 from reliable_kafka.bench.common import peak_rss_mb
 from reliable_kafka.config import producer_config
 from reliable_kafka.ids import ID_HEADER, message_id_of, new_id, new_ids
+from reliable_kafka.producer_id import prime_producer_id
 from reliable_kafka.testing.child_connection import Connection, connection_from_env
 from reliable_kafka.testing.loop_stall import LoopStallProbe
 
@@ -38,6 +39,7 @@ def produce_raw(connection: Connection, topic: str, n: int, with_ids: bool = Fal
     `with_ids` adds an rk-id header (filling a topic for the dedup benchmark).
     """
     p = Producer({**connection, "acks": "all", "enable.idempotence": True, "linger.ms": 5})
+    prime_producer_id(p)  # as ReliableProducer's poller does: no variant's clock holds the 0.5 s id wait
     delivered = [0]
 
     def on_delivery(err: Any, _msg: Any) -> None:
@@ -68,6 +70,7 @@ def produce_raw_safe(connection: Connection, topic: str, n: int) -> float:
     again. The same poll(0) loop as `raw`; keywords, as a program writes it.
     """
     p = Producer(producer_config(connection))
+    prime_producer_id(p)  # as ReliableProducer's poller does (producer_id.py)
     delivered = [0]
     failed: dict[str, str] = {}  # message id -> reason: what a careful program keeps to send again
 

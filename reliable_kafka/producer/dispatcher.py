@@ -29,6 +29,7 @@ from reliable_kafka.producer.holds import FIRST_WAIT_S, MAX_WAIT_S, Authorizatio
 from reliable_kafka.producer.report_slots import ReportSlots
 from reliable_kafka.producer.send_spans import SendSpans
 from reliable_kafka.producer.topic_guard import TopicGuard
+from reliable_kafka.producer_id import prime_producer_id
 from reliable_kafka.spool import NewMessage, OutboxRow, Spool
 from reliable_kafka.stats import Counters
 
@@ -534,6 +535,10 @@ class Dispatcher:
                     self._last_progress = time.monotonic()  # nothing in flight is not a stall
                 if self._fatal is not None:
                     self._recreate()
+                    # Before the spool goes to the new producer below: its first produce() at once would
+                    # wait 0.5 s for a producer id (producer_id.py). Senders leave their rows to this
+                    # thread until then (_recreate() left the spool's rows all behind _dispatched_upto).
+                    prime_producer_id(self._producer)
                 self._settle_holds()
                 self._dispatch_backlog()
                 self._guard.retry_deferred()

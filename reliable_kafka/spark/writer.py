@@ -31,6 +31,7 @@ from reliable_kafka.errors import (
 )
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.kafka_errors import Disposition
+from reliable_kafka.producer_id import prime_producer_id
 from reliable_kafka.retry import retry_kafka_call
 from reliable_kafka.spark.fingerprint import Fingerprint
 from reliable_kafka.spark.markers import (
@@ -263,6 +264,7 @@ def _write_at_least_once(
     settings = options.producer_settings()
     settings["on_delivery"] = on_delivery
     producer = Producer(settings)
+    prime_producer_id(producer)  # its rows follow at once: without it the first waited 0.5 s for an id
     timeout_s = int(settings["message.timeout.ms"]) / 1000 + 10
     sender = _Sender(producer, options, partition, timeout_s)
     hook = _hook_rows(options, attempt)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from types import FrameType
@@ -239,6 +240,19 @@ def test_the_poller_runs_on_its_own_thread_and_stop_lets_go_of_what_librdkafka_h
     assert d.in_flight >= 1, "still held by librdkafka"
     assert d.stop() == 1, "still pending: it stays in the spool"
     assert d.in_flight == 0 and spool.stats().pending == 1
+
+
+def test_priming_a_producer_id_without_an_answer_gives_up_within_its_time_and_raises_nothing(
+    silent_broker: str,
+) -> None:
+    from confluent_kafka import Producer
+
+    from reliable_kafka.producer_id import prime_producer_id
+
+    producer = Producer({"bootstrap.servers": silent_broker, "enable.idempotence": True, "log_level": 0})
+    started = time.monotonic()
+    assert prime_producer_id(producer, timeout_s=0.3) is False
+    assert time.monotonic() - started < 2.0, "priming must be bounded by its timeout"
 
 
 def test_memory_spool_pending_after_a_seq_skips_to_it_and_leaves_out_what_was_settled() -> None:
