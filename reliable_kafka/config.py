@@ -130,10 +130,9 @@ def keyed_record_config(user: Mapping[str, Any] | None = None) -> dict[str, Any]
     Only for writes of one record per key whose retry repeats the same key and value into a compacted
     topic, acknowledged before the next write (the Spark writer's plans, manifests and tombstones): a
     duplicate or a retry's reordering leaves every key's last value as it was. An idempotent producer's
-    first send waits for a producer id, and librdkafka 2.16 asks again for one only when a 500 ms timer
-    fires when no broker was up at its first try, which is the rule for a fresh client (its bootstrap
-    connection is dropped once the brokers' ids are known): one such record took 0.52-1.59 s, against
-    0.014-0.037 s without idempotence, acks=all either way (a 3-node local cluster).
+    first send waits for a producer id, 0.5 s when it produces at once (reliable_kafka/producer_id.py
+    says why; priming the id would still cost two metadata requests): one such record took 0.52-1.59 s,
+    against 0.014-0.037 s without idempotence, acks=all either way (a 3-node local cluster).
     """
     cfg = producer_config(user)
     cfg["enable.idempotence"] = False
