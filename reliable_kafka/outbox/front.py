@@ -16,7 +16,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,9 @@ class Outbox:
         if journal is None:
             journal = self.durability is Durability.PROCESS
         self._journal: AcceptJournal | None = None
+        # append_one()'s record writer, bound once: the journal's append_one while single appends go to the
+        # journal (a writable outbox with a journal and no byte bound, whose size a record does not track).
+        self._record_one: Callable[[int, NewMessage, int], None] | None = None
         # Journaled messages not settled into SQLite yet, by seq (in seq order), with when each was accepted:
         # see _Unsettled for why an entry is one plain tuple rather than the NewMessage.
         self._unsettled: dict[int, _Unsettled] = {}
@@ -173,6 +176,8 @@ class Outbox:
                      self.path, len(left))
         self._journal = AcceptJournal(self.path)
         self._journal.clear()
+        if self.max_bytes is None:
+            self._record_one = self._journal.append_one
         self._next_seq = top + 1
         self._settled_upto = top
 
@@ -213,19 +218,19 @@ class Outbox:
         """append() of one message; returns its seq. send()'s path: with the journal, a message without
         headers under a count bound only is one record and no list, range or loop (the rest, and every
         refusal, goes through append() as before)."""
-        journal = self._journal
+        record = self._record_one
         value, key = m[2], m[3]
-        if (journal is None or self.max_bytes is not None or m[4]
+        if (record is None or m[4]
                 or not ((value is None or type(value) is bytes) and (key is None or type(key) is bytes))):
             return self.append((m,), timeout=timeout)[0]
         now_ms = time.time_ns() // 1_000_000
         with self._lock:
-            if self._file.closed or self.read_only:
-                self._file.writable()
+            if self._file.closed:
+                self._file.writable()  # raises: closed since `record` was read
             if self._pending + self._failed >= self.max_messages:
                 self._wait_for_room(1, 0, timeout)
             seq = self._next_seq
-            journal.append_one(seq, m, now_ms)
+            record(seq, m, now_ms)
             unsettled = self._unsettled
             unsettled[seq] = m + (now_ms,)  # a plain tuple: see _Unsettled
             self._next_seq = seq + 1
@@ -648,6 +653,7 @@ class Outbox:
                     self._settle_all()
                     self._journal.clear()
                     self._journal = None
+                    self._record_one = None
                 self._file.close()
             finally:
                 self._cond.notify_all()

@@ -32,6 +32,7 @@ class AuthorizationHolds:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._holds: dict[str, _Hold] = {}
+        self.by_topic = self._holds  # read-only to others: empty while nothing is held
         self._clock = clock
 
     def __bool__(self) -> bool:

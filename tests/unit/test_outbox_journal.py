@@ -182,6 +182,7 @@ def test_append_one_writes_what_append_writes_and_refuses_the_same(tmp_path: Pat
     path = tmp_path / "o.db"
     box = Outbox(path)
     box._journal = AcceptJournal(path, segment_bytes=4096)  # a new segment every few dozen records
+    box._record_one = box._journal.append_one  # append_one()'s bound writer, as _open_journal() binds it
     sent = []
     for i in range(200):
         m = one(f"v-{i}".encode(), key=b"k" if i % 3 else None)[0]

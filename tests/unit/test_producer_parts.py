@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -240,6 +241,33 @@ def test_the_poller_runs_on_its_own_thread_and_stop_lets_go_of_what_librdkafka_h
     assert d.in_flight >= 1, "still held by librdkafka"
     assert d.stop() == 1, "still pending: it stays in the spool"
     assert d.in_flight == 0 and spool.stats().pending == 1
+
+
+def test_single_sends_are_counted_at_once_and_reach_the_accepted_metric_in_sums(
+    silent_broker: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """send() counts itself with an int that stats() and each poll round publish (dispatcher.publish_sent):
+    stats() right after the calls has every one, a commit each, and the accepted-messages metric gets the
+    same total in a few adds (a poll round or a stats() each), not one per message. send_many() still counts its batch as one commit."""
+    from reliable_kafka import telemetry
+    from reliable_kafka.producer import ReliableProducer
+
+    added: list[int] = []
+    monkeypatch.setattr(telemetry.accepted, "add", lambda n, *_a, **_k: added.append(n))
+    p = ReliableProducer({**BOOT, "bootstrap.servers": silent_broker}, outbox_path=tmp_path / "o.db",
+                         preflight="off")
+    try:
+        for i in range(500):
+            p.send("t", b"v-%d" % i)
+        stats = p.stats()
+        assert (stats.sent, stats.commits) == (500, 500), "every send() counted before any delivery"
+        p.send_many([("t", b"a"), ("t", b"b")])
+        p.send("t", b"c")
+        stats = p.stats()
+        assert (stats.sent, stats.commits) == (503, 502)
+        assert sum(added) == 503 and len(added) < 100, "published in sums, not one add per send()"
+    finally:
+        assert p.close(timeout=0) == 503, "nothing was delivered: everything stays pending"
 
 
 def test_priming_a_producer_id_without_an_answer_gives_up_within_its_time_and_raises_nothing(
