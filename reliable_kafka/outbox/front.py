@@ -412,17 +412,14 @@ class Outbox:
     def _journal_delivered(self, seqs: list[int]) -> list[int]:
         """(Lock held.) Forget delivered messages that were never settled (no SQLite write at all);
         returns the seqs that are not among them."""
-        unsettled, rest, gone = self._unsettled, [], []
-        freed = 0
-        count_bytes = self.max_bytes is not None
-        for seq in seqs:
-            entry = unsettled.pop(seq, None)
-            if entry is None:
-                rest.append(seq)
-            else:
-                gone.append(seq)
-                if count_bytes:
-                    freed += _size(entry)
+        pop = self._unsettled.pop
+        entries = [pop(seq, None) for seq in seqs]
+        if None not in entries:  # the common case, every one journaled and not settled: no second pass
+            gone, rest = seqs, []
+        else:
+            gone = [seq for seq, entry in zip(seqs, entries, strict=True) if entry is not None]
+            rest = [seq for seq, entry in zip(seqs, entries, strict=True) if entry is None]
+        freed = sum(_size(e) for e in entries if e is not None) if self.max_bytes is not None else 0
         if gone:
             assert self._journal is not None
             self._journal.delivered(gone)

@@ -106,7 +106,9 @@ class Dispatcher:
         self._redeliver: deque[int] = deque()  # seqs whose delivery failed retriably: hand over again
         self._generation = 0
         self._fatal: KafkaError | None = None
-        self._delivered: list[int] = []  # filled by delivery callbacks on the poller thread
+        # Filled by delivery callbacks on the poller thread; one list for the producer's life (the report
+        # slots append to it directly), drained by _apply_reports().
+        self._delivered: list[int] = []
         self._size_refused: list[tuple[int, str, str]] = []  # (seq, topic, reason): for the guard, off the callback
         self._denied: list[tuple[int, str]] = []  # (seq, topic) refused for want of an ACL, off the callback
         self._holds = AuthorizationHolds()
@@ -136,7 +138,8 @@ class Dispatcher:
         # message kept one tracked object per message in flight, and the collector's work grew with it).
         # With tracing the reports also settle the send spans: a callback chosen here, so that without
         # it no report pays even for the check.
-        self._reports = ReportSlots(self._on_delivery if spans is None else self._on_delivery_traced)
+        self._reports = (ReportSlots(self._on_delivery, self._delivered.append) if spans is None
+                         else ReportSlots(self._on_delivery_traced))
         # accept_one()'s calls, bound once: a method looked up per send() is a bound-method object made
         # and freed per call (~40 ns each).
         self._take_slot = self._reports.take
@@ -528,8 +531,10 @@ class Dispatcher:
         if self._sent_one != self._sent_one_published:
             self.publish_sent()  # first: what is counted delivered below was counted sent
         done: list[int] = []
-        if self._delivered:
-            done, self._delivered = self._delivered, []
+        delivered = self._delivered
+        if delivered:
+            done = delivered[:]
+            del delivered[:len(done)]  # (a report appended meanwhile stays for the next round)
             self._last_progress = time.monotonic()
             self._rebuild_wait_s = 0.0  # a producer id was granted (see _recreate)
             self._login_refused = False

@@ -31,32 +31,45 @@ Report = Callable[[int, int, str, Any, Any], None]
 class ReportSlot:
     """The delivery callback of one in-flight message; back in its pool once called."""
 
-    __slots__ = ("seq", "generation", "topic", "_report", "_free")
+    __slots__ = ("seq", "generation", "topic", "_report", "_delivered", "_free")
 
-    def __init__(self, report: Report, free: list[ReportSlot]) -> None:
+    def __init__(self, report: Report, delivered: Callable[[int], None] | None, free: list[ReportSlot]) -> None:
         self.seq = 0
         self.generation = 0
         self.topic = ""
         self._report = report
+        self._delivered = delivered
         self._free = free
 
     def __call__(self, err: Any, msg: Any) -> None:
-        seq, generation, topic = self.seq, self.generation, self.topic
+        seq = self.seq
+        if err is None and self._delivered is not None:
+            # A success only notes its seq: without the second Python call into `report`, a delivery
+            # report costs the poller ~0.1 us less (timeit; the poller shares the GIL with the senders).
+            self._free.append(self)
+            self._delivered(seq)
+            return
+        generation, topic = self.generation, self.topic
         self._free.append(self)  # its fields are read: it may be taken again at once
         self._report(seq, generation, topic, err, msg)
 
 
 class ReportSlots:
-    """Slots calling `report`, reused across messages (the free list grows to the most ever in flight)."""
+    """Slots calling `report`, reused across messages (the free list grows to the most ever in flight).
 
-    def __init__(self, report: Report) -> None:
+    `delivered`, when given, takes the seq of each success instead of `report` (which then sees failures
+    only); None sends every report to `report` (a producer that traces settles each send span there).
+    """
+
+    def __init__(self, report: Report, delivered: Callable[[int], None] | None = None) -> None:
         self._report = report
+        self._delivered = delivered
         self._free: list[ReportSlot] = []
 
     def take(self, seq: int, generation: int, topic: str) -> ReportSlot:
         try:
             slot = self._free.pop()
         except IndexError:
-            slot = ReportSlot(self._report, self._free)
+            slot = ReportSlot(self._report, self._delivered, self._free)
         slot.seq, slot.generation, slot.topic = seq, generation, topic
         return slot
