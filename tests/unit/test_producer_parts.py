@@ -248,7 +248,8 @@ def test_single_sends_are_counted_at_once_and_reach_the_accepted_metric_in_sums(
 ) -> None:
     """send() counts itself with an int that stats() and each poll round publish (dispatcher.publish_sent):
     stats() right after the calls has every one, a commit each, and the accepted-messages metric gets the
-    same total in a few adds (a poll round or a stats() each), not one per message. send_many() still counts its batch as one commit."""
+    same total in a few adds (a poll round or a stats() each), not one per message. send_many() still
+    counts its batch as one commit."""
     from reliable_kafka import telemetry
     from reliable_kafka.producer import ReliableProducer
 
