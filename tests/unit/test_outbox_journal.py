@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import zlib
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,48 @@ def test_append_one_writes_what_append_writes_and_refuses_the_same(tmp_path: Pat
     assert [(s, m) for s, m, _ in read_journal(path)] == sent
     assert box.stats().pending == 200
     box.close()
+
+
+def test_both_record_layouts_read_back_as_written_and_a_layout_an_older_version_cannot_read_is_refused(
+    tmp_path: Path,
+) -> None:
+    """append_one() writes a message without headers or partition in the plain layout and any other one
+    with marshal (journal.py): tombstones, empty values, keys, non-ASCII ids and topics, headers and
+    partitions all read back as they were written, in seq order, the two layouts interleaved. A body
+    that is neither (a later version's, say) stops the open with OutboxError naming the journal."""
+    path = tmp_path / "o.db"
+    journal = AcceptJournal(path, segment_bytes=4096)
+    messages = [
+        NewMessage("id-1", "orders", b"v" * 100),
+        NewMessage("id-2", "orders", None, b"k"),  # a tombstone
+        NewMessage("id-3", "orders", b"", None),
+        NewMessage("id-\u00e9-4", "t\u00f6pic", b"\x00\xff", b""),
+        NewMessage("id-5", "orders", b"h", None, (("trace", b"x"),)),  # headers: marshal
+        NewMessage("id-6", "orders", b"p", None, (), 2),  # a partition: marshal
+        NewMessage("id-7", "orders", bytes(range(256)) * 20, b"key"),
+    ]
+    for seq, m in enumerate(messages * 3, 1):
+        journal.append_one(seq, m, 1_700_000_000_000 + seq)
+    journal.close()
+    back = read_journal(path)
+    assert [(seq, m, ms) for seq, m, ms in back] == [
+        (seq, m, 1_700_000_000_000 + seq) for seq, m in enumerate(messages * 3, 1)]
+    layouts = set()
+    for segment in segment_paths(path):
+        data = segment.read_bytes()
+        pos = 0
+        while int.from_bytes(data[pos:pos + 4], "little"):
+            layouts.add(data[pos + 8])
+            pos += 8 + int.from_bytes(data[pos:pos + 4], "little")
+    assert 1 in layouts and len(layouts) == 2, "both layouts were written"
+    with open(segment_paths(path)[-1], "r+b") as f:  # a record of a layout this version does not know
+        f.seek(0)
+        head = f.read(8)
+        body = b"\x7f" + f.read(int.from_bytes(head[:4], "little"))[1:]
+        f.seek(0)
+        f.write(head[:4] + zlib.crc32(body).to_bytes(4, "little") + body)
+    with pytest.raises(OutboxError, match="cannot read"):
+        read_journal(path)
 
 
 def test_journaled_messages_leave_the_garbage_collector_nothing_to_track(tmp_path: Path) -> None:
