@@ -144,8 +144,11 @@ class ReliableProducer:
         self._group = GroupCommit(self._dispatcher.accept, max_batch=max(1, min(MAX_BATCH, max_pending)))
         # An outbox whose single appends are journal records (durability "process") needs no group commit:
         # an append no longer waits for a commit, so each send() accepts its own message on its own
-        # thread, and concurrent senders never wait to be woken (outbox/journal.py says why).
-        self._accept_inline = isinstance(self._spool, Outbox) and self._spool.journaled
+        # thread, and concurrent senders never wait to be woken (outbox/journal.py says why). Nor does the
+        # memory spool, which has no commit at all: through the group commit a "memory" send() cost ~5.7 us
+        # of CPU from one thread and ~6.4 us from 16, inline ~4.3 and ~4.5 (librdkafka mock, interleaved).
+        self._accept_inline = isinstance(self._spool, MemorySpool) or (
+            isinstance(self._spool, Outbox) and self._spool.journaled)
         self._started = False
         # send()'s plain case may skip _ready(): started, not closed, not tracing (one check, not three).
         self._plain_ready = False
@@ -194,8 +197,9 @@ class ReliableProducer:
         """Accept one message; returns once it is durable per the durability mode.
 
         In durability "process" the message is one record in the outbox's accept journal, written on the
-        caller's thread. In "fsync", concurrent send() calls from several threads share one outbox
-        transaction (group commit), each returning when the transaction holding its own message committed.
+        caller's thread ("memory": kept in memory, likewise on the caller's thread). In "fsync", concurrent
+        send() calls from several threads share one outbox transaction (group commit), each returning when
+        the transaction holding its own message committed.
 
         Raises OutboxFull when the spool stayed full for send_timeout_s, TopicConfigError when the
         preflight refuses the topic, SerializationError for a value that is not bytes, and

@@ -51,14 +51,16 @@ def test_200_concurrent_async_sends_are_delivered_once_in_shared_commits(kafka: 
     assert (v.acked, v.lost, v.duplicates) == (len(values), 0, 0), v
 
 
-@pytest.mark.parametrize("durability", ["process", "fsync"])
+@pytest.mark.parametrize("durability", ["process", "fsync", "memory"])
 def test_16_threads_sending_one_by_one_lose_nothing_and_fsync_shares_commits(
         kafka: LocalKafkaCluster, make_topic, tmp_path: Path, durability: str) -> None:
-    """"process": each send() is a record of the outbox's journal, on its own thread; "fsync": concurrent
-    send() calls share outbox transactions (group commit)."""
+    """"process": each send() is a record of the outbox's journal, on its own thread; "memory": each is
+    accepted on its own thread too; "fsync": concurrent send() calls share outbox transactions (group
+    commit)."""
     topic = make_topic(partitions=3)
     values = [f"s-{t}-{i}".encode() for t in range(16) for i in range(200)]
-    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=tmp_path / "o.db",
+    outbox = None if durability == "memory" else tmp_path / "o.db"
+    with ReliableProducer({"bootstrap.servers": kafka.bootstrap_servers}, outbox_path=outbox,
                           durability=durability) as p:
         p.check_topics([topic])
 
@@ -77,6 +79,8 @@ def test_16_threads_sending_one_by_one_lose_nothing_and_fsync_shares_commits(
     assert stats.sent == len(values)
     if durability == "fsync":
         assert stats.commits < stats.sent, stats
+    else:
+        assert stats.commits == stats.sent, f"{durability}: each send() accepted on its own, {stats}"
     v = verdict(values, [m.value() for m in consume_all(kafka.bootstrap_servers, topic)])
     assert (v.acked, v.lost, v.duplicates) == (len(values), 0, 0), v
 
