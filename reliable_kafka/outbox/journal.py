@@ -16,7 +16,7 @@ the journal is settled, and deletes segments that hold only settled records; on 
 crashed run left (every record no delivery record confirms).
 
 Record layout: ``uint32 length, uint32 crc32(body)`` (little-endian), then ``body``. A message without
-headers or a partition, written by send()'s path (append_one), is the plain layout: ``uint8 1, int64 seq,
+headers or a partition, written by send()'s path (append_one), is the fixed layout: ``uint8 1, int64 seq,
 int64 created_ms, uint32 lengths of message_id, topic, value and key`` (0xFFFFFFFF: None), then those
 four (the two strings UTF-8), all little-endian. Any other message is marshal (version 4) of
 ``(seq, message_id, topic, value, key, headers, partition, created_ms)``, and delivered messages are
@@ -63,11 +63,11 @@ _crc32 = zlib.crc32
 _MARSHAL_VERSION = 4
 # A delivery record's first field (a message's is its seq, never 0): (0, seqs as int64s).
 _ACK = 0
-# The plain layout (see above): its first byte, its fixed part, and the length that stands for None.
+# The fixed layout (see above): its first byte, its fixed part, and the length that stands for None.
 # Packing it costs ~220 ns against ~335 ns for marshal of the same message (timeit, a 100-byte value).
-_PLAIN = 1
-_PLAIN_HEAD = struct.Struct("<BqqIIII")
-_pack_plain = _PLAIN_HEAD.pack
+_FIXED = 1
+_FIXED_HEAD = struct.Struct("<BqqIIII")
+_pack_fixed = _FIXED_HEAD.pack
 _NONE = 0xFFFFFFFF
 _join = b"".join
 _SUFFIX = ".journal."
@@ -120,8 +120,8 @@ def _records(data: bytes | mmap.mmap, path: Path, acked: array[int]) -> Iterator
                         path, pos)
             return
         pos = start + length
-        if body[0] == _PLAIN:
-            yield _plain_record(body)
+        if body[0] == _FIXED:
+            yield _fixed_record(body)
             continue
         fields = marshal.loads(body)
         if fields[0] == _ACK:
@@ -131,10 +131,10 @@ def _records(data: bytes | mmap.mmap, path: Path, acked: array[int]) -> Iterator
         yield seq, NewMessage(message_id, topic, value, key, headers, partition), created_ms
 
 
-def _plain_record(body: bytes) -> Record:
-    """A record of the plain layout, read back."""
-    _, seq, created_ms, id_len, topic_len, value_len, key_len = _PLAIN_HEAD.unpack_from(body)
-    pos = _PLAIN_HEAD.size
+def _fixed_record(body: bytes) -> Record:
+    """A record of the fixed layout, read back."""
+    _, seq, created_ms, id_len, topic_len, value_len, key_len = _FIXED_HEAD.unpack_from(body)
+    pos = _FIXED_HEAD.size
     message_id = body[pos:pos + id_len].decode()
     pos += id_len
     topic = body[pos:pos + topic_len].decode()
@@ -227,16 +227,16 @@ class AcceptJournal:
 
     def append_one(self, seq: int, m: NewMessage, created_ms: int) -> None:
         """append() of one message (send()'s path): the record written without a list of bodies, in the
-        plain layout when the message has no headers or partition (marshal otherwise)."""
+        fixed layout when the message has no headers or partition (marshal otherwise)."""
         message_id, topic, value, key, headers, partition = m
         try:
             if headers or partition is not None:
-                raise TypeError("not plain")  # -> marshal below
+                raise TypeError("headers or a partition")  # -> marshal below
             i, t = message_id.encode(), topic.encode()
-            body = _join((_pack_plain(_PLAIN, seq, created_ms, len(i), len(t),
+            body = _join((_pack_fixed(_FIXED, seq, created_ms, len(i), len(t),
                                       _NONE if value is None else len(value), _NONE if key is None else len(key)),
                           i, t, value or b"", key or b""))
-        except (AttributeError, TypeError, ValueError):  # not plain, or not str / bytes: marshal decides
+        except (AttributeError, TypeError, ValueError):  # those, or not str / bytes: marshal decides
             try:
                 body = _dumps((seq, message_id, topic, value, key, headers, partition, created_ms),
                               _MARSHAL_VERSION)

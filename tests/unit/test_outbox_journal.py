@@ -201,7 +201,7 @@ def test_append_one_writes_what_append_writes_and_refuses_the_same(tmp_path: Pat
 def test_both_record_layouts_read_back_as_written_and_a_layout_an_older_version_cannot_read_is_refused(
     tmp_path: Path,
 ) -> None:
-    """append_one() writes a message without headers or partition in the plain layout and any other one
+    """append_one() writes a message without headers or partition in the fixed layout and any other one
     with marshal (journal.py): tombstones, empty values, keys, non-ASCII ids and topics, headers and
     partitions all read back as they were written, in seq order, the two layouts interleaved. A body
     that is neither (a later version's, say) stops the open with OutboxError naming the journal."""
