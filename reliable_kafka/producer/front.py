@@ -150,7 +150,7 @@ class ReliableProducer:
         self._accept_inline = isinstance(self._spool, MemorySpool) or (
             isinstance(self._spool, Outbox) and self._spool.journaled)
         self._started = False
-        # send()'s plain case may skip _ready(): started, not closed, not tracing (one check, not three).
+        # _prepare_call()'s plain case may skip _ready(): started, not closed, not tracing (one check, not three).
         self._plain_ready = False
         # The slots of an outbox_dir that dead or retired processes left pending are drained by ordinary
         # producers opened on them, with this one's settings (a slot holds serialized rows: no serializers).
@@ -205,21 +205,12 @@ class ReliableProducer:
         preflight refuses the topic, SerializationError for a value that is not bytes, and
         DeliveryFailed when Kafka refused it at once (it is then kept in the outbox as failed).
         """
-        if self._accept_inline:
-            # The plain case of _prepare_call() and _sent_one() inline: two calls are ~0.3 of ~5 us a send.
-            if (type(value) is bytes and headers is None and partition is None and message_id is None
-                    and (key is None or type(key) is bytes) and self._plain_ready and type(topic) is str
-                    and topic in self._seen_topics):
-                row = new_tuple(NewMessage, (new_id(), topic, value, key, (), None))
-            else:
-                row = self._prepare_call(topic, value, key, headers, partition, message_id)
-                if self._closed:
-                    raise ProducerClosed("send after close(): create a new ReliableProducer")
-            seq, error = self._accept_one(row)
-            if error is None:
-                return new_tuple(Sent, (row[0], seq, None))
-            return self._sent_one(row, seq, error)
         row = self._prepare_call(topic, value, key, headers, partition, message_id)
+        if self._accept_inline:
+            if self._closed:
+                raise ProducerClosed("send after close(): create a new ReliableProducer")
+            seq, error = self._accept_one(row)
+            return self._sent_one(row, seq, error)
         seq, error = self._group.submit(row)
         return self._sent_one(row, seq, error)
 
@@ -261,8 +252,8 @@ class ReliableProducer:
         headers, partition or id, no tracing) is a tuple and an id; building the Message and running the
         Preparer for it was a quarter of a memory-mode send() (~4 of 16 us CPU, dead-broker harness)."""
         if (type(value) is bytes and headers is None and partition is None and message_id is None
-                and (key is None or type(key) is bytes) and not self._tracing and self._started
-                and not self._closed and type(topic) is str and topic in self._seen_topics):
+                and (key is None or type(key) is bytes) and self._plain_ready and type(topic) is str
+                and topic in self._seen_topics):
             return new_tuple(NewMessage, (new_id(), topic, value, key, (), None))
         return self._prepare_one(Message(topic, value, key, headers, partition, message_id))
 
