@@ -313,12 +313,20 @@ class TransactionalProcessor:
         checkpoint, failures = self._checkpoint, self._failures
         owned, positions, refused, now = checkpoint.owned, checkpoint.positions, failures.refused, time.monotonic
         transform = self._transform_traced if self._tracing else self._transform
+        next_check = checkpoint.next_check
         batch = Batch()
         flat, offsets = batch.outputs, batch.offsets
         handled = dead_lettered = 0
+        # consume() hands records out in runs of one partition. Per run, not per record: the key tuple (one
+        # object fewer per record for the garbage collector to count, see Batch), whether the partition is
+        # ours, and its position, kept in `expected` and written back to `positions` and the batch's
+        # `offsets` when the run ends or the batch is handed over (four dict operations fewer a record).
         key: TopicPartitionKey = ("", -1)
         last_topic: str | None = None
         last_partition: int | None = None
+        mine = False
+        expected = -1  # the run's next offset to process; -1 while nothing is known
+        moved = False  # a record of this run was handled since `expected` was last written back
         for msg in msgs:
             error = msg.error()
             if error is not None:
@@ -327,14 +335,16 @@ class TransactionalProcessor:
             # A consumed record always has topic, partition and offset (cast() would cost a call each).
             topic, partition = msg.topic(), msg.partition()
             if partition != last_partition or topic != last_topic:
-                # consume() hands records out in runs of one partition: one key tuple per run, not per
-                # record, is one object fewer per record for the garbage collector to count (see Batch).
+                if moved:
+                    positions[key] = offsets[key] = expected
+                    moved = False
                 key, last_topic, last_partition = (topic, partition), topic, partition  # type: ignore[assignment]
-            offset: int = msg.offset()  # type: ignore[assignment]
-            if key not in owned:
+                mine = key in owned
+                expected = positions.get(key, -1)
+            if not mine:
                 continue  # fetched before its partition was revoked
-            expected = positions.get(key)
-            if expected is not None and offset < expected:
+            offset: int = msg.offset()  # type: ignore[assignment]
+            if offset < expected:
                 continue  # fetched before a rewind, or processed already
             parked = refused.pop((key[0], key[1], offset), None) if refused else None
             outputs: Outputs
@@ -351,18 +361,20 @@ class TransactionalProcessor:
                     dead = False
                 except Exception as first:
                     outputs, dead = failures.after_failure(msg, first)
-            positions[key] = offset + 1
+            expected, moved = offset + 1, True
             # Each output gets its rk-id now, while the input is at hand: "<input rk-id>:<index>".
             base: str | None = None
             index = 0
             headers: OutHeaders
             for out in outputs:
-                if out.headers is None:
+                given = out.headers
+                if given is None:
                     if base is None:
                         base = input_id(msg, key, offset)
                     headers = f"{base}:{index}"  # the rk-id alone: the header list is made at produce()
                 else:
-                    given = out.headers if out.headers.__class__ is list else header_list(out.headers)
+                    if given.__class__ is not list:
+                        given = header_list(given)
                     only = given[0] if len(given) == 1 else None
                     if only is not None and only[0] == ID_HEADER and only[1].__class__ is bytes:
                         # The rk-id alone (a copy of an input from ReliableProducer, say) is kept as its
@@ -378,17 +390,21 @@ class TransactionalProcessor:
                 flat.append((out.topic, out.value, out.key, -1 if out.partition is None else out.partition,
                              headers, key, offset, dead))
                 index += 1  # noqa: SIM113 - enumerate() would cost a tuple per output
-            offsets[key] = offset + 1
             handled += 1
             if dead:
                 dead_lettered += 1
-            if now() >= checkpoint.next_check:
+            if now() >= next_check:
+                positions[key] = offsets[key] = expected
+                moved = False
                 batch.messages, batch.dead = handled, dead_lettered
                 if checkpoint.add(batch) is Outcome.REWOUND:
                     return Outcome.REWOUND  # the rest of the records at hand are stale
+                next_check = checkpoint.next_check
                 batch = Batch()
                 flat, offsets = batch.outputs, batch.offsets
                 handled = dead_lettered = 0
+        if moved:
+            positions[key] = offsets[key] = expected
         batch.messages, batch.dead = handled, dead_lettered
         return checkpoint.add(batch)
 
