@@ -25,7 +25,7 @@ from typing import Any
 from confluent_kafka import Message
 
 from reliable_kafka.lab.eos_copier_bounce import copy_transform
-from reliable_kafka.transactions import TransactionalProcessor
+from reliable_kafka.transactions import TransactionalProcessor, records
 from reliable_kafka.transactions.checkpoint import Outcome
 from reliable_kafka.transactions.records import Batch
 
@@ -42,11 +42,13 @@ class _Checkpoint:
         self.next_check = float("inf")  # no deadline passes inside a batch
         self.held, self.records, self.outputs = held, 0, 0
         self.batches: list[Batch] = []
+        # Items per output in Batch.outputs: one tuple each in versions before the flat layout.
+        self.width = getattr(records, "OUT_WIDTH", 1)
 
     def add(self, batch: Batch) -> Outcome:
         self.batches.append(batch)
         self.records += batch.messages
-        self.outputs += len(batch.outputs)
+        self.outputs += len(batch.outputs) // self.width
         if self.records >= self.held:  # "written": the transaction's records go
             self.batches, self.records = [], 0
         return Outcome.DONE

@@ -29,7 +29,7 @@ from reliable_kafka.stats import Counters, Stats
 from reliable_kafka.transactions.calls import MIN_CALL_S, CallWatch, Deadlines, Failure, call
 from reliable_kafka.transactions.client import TransactionalClient
 from reliable_kafka.transactions.committer import Committer
-from reliable_kafka.transactions.records import Batch, Out, TopicPartitionKey, out_headers
+from reliable_kafka.transactions.records import OUT_WIDTH, Batch, Out, TopicPartitionKey
 from reliable_kafka.transactions.rewind import seek_to_committed
 from reliable_kafka.transactions.steps import TxnStep, next_step
 
@@ -199,22 +199,23 @@ class Checkpoint:
         producer = self.client.producer
         assert producer is not None
         produce = producer.produce
-        for out in batch.outputs:
-            topic, value, key, partition, headers, _, _, _ = out  # the positions of records.Out
+        # records.each_out() inline: zip takes OUT_WIDTH items at a time, the fields of one Out.
+        for topic, value, key, partition, headers, source, offset, dead in zip(*[iter(batch.outputs)] * OUT_WIDTH,
+                                                                                strict=True):
+            # The header list produce() takes, inline (a call per record costs as much as the rest).
+            listed = list(headers) if headers.__class__ is tuple else [(ID_HEADER, headers)]
             try:
                 try:
-                    # Positional, as in ReliableProducer._produce: keywords cost ~1 µs a call. The
-                    # headers are records.out_headers(out), inline: a call per record costs as much.
-                    produce(topic, value, key, partition, None, None, 0,
-                            list(headers) if headers.__class__ is tuple else [(ID_HEADER, headers)])  # type: ignore[list-item]
+                    # Positional, as in ReliableProducer._produce: keywords cost ~1 µs a call.
+                    produce(topic, value, key, partition, None, None, 0, listed)
                 except BufferError:
                     # Bounded by message.timeout.ms: then queued records fail, which frees room, and
                     # the commit aborts.
-                    produce_when_room(producer, topic, value, key, partition, None, None, 0, out_headers(out))
+                    produce_when_room(producer, topic, value, key, partition, None, None, 0, listed)
             except KafkaException as exc:
                 # The transaction is incomplete: abort it (dead-lettering the input next time round, if
                 # Kafka will never take the output), unless the refused output was a dead-letter copy.
-                stop = self._on_refused(out, exc)
+                stop = self._on_refused((topic, value, key, partition, headers, source, offset, dead), exc)
                 self.recover(Failure("produce", next_step("produce", exc), exc))
                 if stop is not None:
                     self.broken = stop
@@ -222,7 +223,7 @@ class Checkpoint:
                 return Outcome.REWOUND
         self._offsets.update(batch.offsets)
         self.messages += batch.messages
-        self._outputs += len(batch.outputs)
+        self._outputs += len(batch.outputs) // OUT_WIDTH
         self._dead += batch.dead
         return Outcome.DONE
 

@@ -386,8 +386,9 @@ class TransactionalProcessor:
                     else:
                         base = base or input_id(msg, key, offset)
                         headers = (*given, (ID_HEADER, f"{base}:{index}"))
-                # A records.Out, positionally: topic, value, key, partition, headers, input, offset, dead.
-                flat.append((out.topic, out.value, out.key, -1 if out.partition is None else out.partition,
+                # A records.Out's fields, positionally: topic, value, key, partition, headers, input, offset,
+                # dead. extend() with a tuple: the tuple dies at once, so nothing tracked outlives the record.
+                flat.extend((out.topic, out.value, out.key, -1 if out.partition is None else out.partition,
                              headers, key, offset, dead))
                 index += 1  # noqa: SIM113 - enumerate() would cost a tuple per output
             handled += 1

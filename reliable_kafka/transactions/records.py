@@ -6,7 +6,7 @@ atoms the garbage collector stops tracking, however long it waits behind a commi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias, cast
 
@@ -39,17 +39,17 @@ class OutputRecord:
 Transform = Callable[[Message], Iterable[OutputRecord]]
 Outputs = Sequence[OutputRecord]
 
-# One output, ready for produce(): a plain tuple, not a named tuple or an object, because a tuple of atoms
-# is one the garbage collector stops tracking (see Batch); its positions are named below. Headers are
-# kept as a tuple of pairs, or as the rk-id's value alone (a str for an output without headers of its
+# One output, ready for produce(): its fields in a fixed order, held in a Batch as OUT_WIDTH consecutive
+# items of one flat list (see Batch) and handed to code outside the hot loops as a plain tuple. Headers
+# are kept as a tuple of pairs, or as the rk-id's value alone (a str for an output without headers of its
 # own, bytes for one whose only header is an rk-id given to it), and made a list (what produce() takes)
-# only when written: a list would keep the tuple tracked.
+# only when written.
 OutHeaders: TypeAlias = "str | bytes | tuple[tuple[str, HeaderValue], ...]"
 Out = tuple[str, "bytes | None", "bytes | None", int, OutHeaders, TopicPartitionKey, int, bool]
 # Its positions: where it goes (topic, value, key, partition with -1 for the partitioner's choice,
 # headers), then the input it came from (partition, offset) and whether it is a dead-letter copy.
-# The per-record loops build and unpack the tuple positionally in this order (an unpack is cheaper
-# than indexing by name); everything else indexes it with these.
+# The per-record loops write and unpack the fields positionally in this order (an unpack is cheaper
+# than indexing by name); everything else indexes an Out with these.
 OUT_TOPIC: Final = 0
 OUT_VALUE: Final = 1
 OUT_KEY: Final = 2
@@ -58,29 +58,31 @@ OUT_HEADERS: Final = 4
 OUT_INPUT: Final = 5
 OUT_INPUT_OFFSET: Final = 6
 OUT_DEAD: Final = 7
+OUT_WIDTH: Final = 8  # the items of one output in Batch.outputs
 
 
-def out_headers(out: Out) -> list[tuple[str, HeaderValue]]:
-    """The headers of an output as produce() takes them."""
-    headers = out[OUT_HEADERS]
-    return list(headers) if headers.__class__ is tuple else [(ID_HEADER, headers)]  # type: ignore[list-item]
+def each_out(outputs: list[Any]) -> Iterator[Out]:
+    """The outputs of a Batch, one Out at a time (zip takes OUT_WIDTH items at a time off one iterator)."""
+    return cast(Iterator[Out], zip(*[iter(outputs)] * OUT_WIDTH, strict=True))
 
 
 class Batch:
     """Processed input records, flattened to what the transaction needs: their outputs and offsets.
 
     Records processed while a commit runs wait in one of these (the backlog, up to max_batch_messages
-    records) for the next transaction. They are held flat (one tuple of atoms per output, which the
-    collector stops tracking at its first pass) rather than as the consumed Messages, the transform's
-    OutputRecords and a tuple per record: with tens of thousands of records waiting, the cyclic garbage
-    collector's full passes over ~5 objects per record cost about a third of the copy's throughput on
-    the benchmark host (0.77 s of a 3.6 s copy).
+    records) for the next transaction. They are held flat, each output's fields as OUT_WIDTH items of the
+    one `outputs` list (each_out() reads them back as Outs), rather than as the consumed Messages, the
+    transform's OutputRecords and a tuple per record: with tens of thousands of records waiting, the
+    cyclic garbage collector's full passes over ~5 objects per record cost about a third of the copy's
+    throughput on the benchmark host (0.77 s of a 3.6 s copy). Not even a tuple per output: every
+    tracked object that outlives its record counts towards the next young collection, and a young
+    collection promotes the consumed Messages still at hand towards the full collections.
     """
 
     __slots__ = ("outputs", "offsets", "messages", "dead")
 
     def __init__(self) -> None:
-        self.outputs: list[Out] = []
+        self.outputs: list[Any] = []  # OUT_WIDTH items per output, in the order of Out
         self.offsets: dict[TopicPartitionKey, int] = {}  # next offset to consume, per input partition
         self.messages = 0
         self.dead = 0

@@ -137,7 +137,7 @@ def batch(*offsets: int, outputs_each: int = 1) -> Batch:
     b = Batch()
     for offset in offsets:
         for i in range(outputs_each):
-            b.outputs.append(("out", b"v", None, -1, f"in/0/{offset}:{i}", IN, offset, False))
+            b.outputs.extend(("out", b"v", None, -1, f"in/0/{offset}:{i}", IN, offset, False))
         b.offsets[IN] = offset + 1
         b.messages += 1
     return b

@@ -16,7 +16,7 @@ from confluent_kafka import Message
 
 from reliable_kafka.transactions import Outcome, OutputRecord, TransactionalProcessor
 from reliable_kafka.transactions import processor as processor_module
-from reliable_kafka.transactions.records import OUT_INPUT, OUT_INPUT_OFFSET, Batch
+from reliable_kafka.transactions.records import OUT_INPUT, OUT_INPUT_OFFSET, Batch, each_out
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -80,7 +80,7 @@ def test_records_of_partitions_not_owned_or_before_the_position_are_skipped_and_
     assert batch.messages == 7
     assert batch.offsets == {("in", 0): 5, ("in", 1): 14}
     assert checkpoint.positions == {("in", 0): 5, ("in", 1): 14}
-    assert [(o[OUT_INPUT], o[OUT_INPUT_OFFSET]) for o in batch.outputs] == [
+    assert [(o[OUT_INPUT], o[OUT_INPUT_OFFSET]) for o in each_out(batch.outputs)] == [
         (("in", p), o) for p, o in processed]
 
 
