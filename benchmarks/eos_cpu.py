@@ -21,35 +21,20 @@ import os
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import confluent_kafka
-from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
+from _cluster import eos_copies, out_path, seeded_eos_cluster  # benchmarks/_cluster.py (run from this directory)
+from _threads import TICK, read_threads
 
 from reliable_kafka.bench import eos
 from reliable_kafka.bench.common import run_child
-from reliable_kafka.bench.worker import produce_raw
 from reliable_kafka.lab import eos_copier_bounce
 from reliable_kafka.testing.child_connection import connection_from_env
 from reliable_kafka.transactions import checkpoint, processor
 
 OUT = Path(__file__).resolve().parent / "results" / "eos" / "cpu.json"
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _threads(seen: dict[str, tuple[str, int]]) -> None:
-    """Record the CPU ticks so far of this process's threads (an ended thread keeps its last reading)."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue
-        seen[tid] = (name, int(fields[11]) + int(fields[12]))
 
 
 class _WatchedConsumer(confluent_kafka.Consumer):
@@ -98,7 +83,7 @@ def child(variant: str, source: str, output: str, n: int) -> None:
 
     def sample() -> None:
         while not stop.wait(0.2):
-            _threads(seen)
+            read_threads(seen)
 
     watcher = threading.Thread(target=sample, name="watcher", daemon=True)
     watcher.start()
@@ -107,14 +92,14 @@ def child(variant: str, source: str, output: str, n: int) -> None:
     loop_cpu = time.thread_time() - loop_cpu
     stop.set()
     watcher.join()
-    _threads(seen)
+    read_threads(seen)
     per = 1e6 / n
-    rdk = [ticks / _TICK * per for name, ticks in seen.values() if name.startswith("rdk:")]
+    rdk = [ticks / TICK * per for name, ticks in seen.values() if name.startswith("rdk:")]
     others = sum(ticks for name, ticks in seen.values() if not name.startswith("rdk:") and name != "watcher")
     print(json.dumps({
         "rate": rate,
         "loop_thread_us": round(loop_cpu * per, 2),
-        "other_python_threads_us": round(others / _TICK * per - loop_cpu * per, 2),
+        "other_python_threads_us": round(others / TICK * per - loop_cpu * per, 2),
         "librdkafka_us": round(sum(rdk), 2),
         "busiest_librdkafka_thread_us": round(max(rdk, default=0.0), 2),
         "gc_us": round(sum(c[1] for c in collections) * per, 3),
@@ -134,27 +119,18 @@ def main() -> None:
     if argv[:1] == ["--child"]:
         child(argv[1], argv[2], argv[3], int(argv[4]))
         return
-    out_path = OUT
-    if argv[:1] == ["--out"]:
-        out_path, argv = Path(argv[1]), argv[2:]
+    path, argv = out_path(argv, OUT)
     n, rounds = int(argv[0]), int(argv[1])
     results: dict[str, list[dict[str, Any]]] = {eos.BASELINE: [], eos.VARIANT: []}
-    with bench_cluster() as (_cluster, conn, create):
-        source = f"eos-cpu-in-{uuid.uuid4().hex[:6]}"
-        create(source, eos.PARTITIONS)
-        produce_raw(conn, source, n, with_ids=True)
-        for r in range(rounds + 1):
-            for variant, runs in results.items():
-                output = f"eos-cpu-{variant}-{uuid.uuid4().hex[:6]}"
-                create(output, eos.PARTITIONS)
-                copy = n if r else min(n, eos.WARM_UP_RECORDS)
-                argv_child = [sys.executable, __file__, "--child", variant, source, output, str(copy)]
-                result = run_child(argv_child, conn, f"eos cpu {variant}")
-                if r:  # the first copy of each only warms the brokers up
-                    runs.append(result)
-                    print(variant, json.dumps(result), flush=True)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"messages": n, "rounds": rounds, "runs": results}, indent=1))
+    with seeded_eos_cluster("eos-cpu", n) as (conn, create, source):
+        for measured, variant, output, copy in eos_copies(create, "eos-cpu", results, n, rounds):
+            argv_child = [sys.executable, __file__, "--child", variant, source, output, str(copy)]
+            result = run_child(argv_child, conn, f"eos cpu {variant}")
+            if measured:
+                results[variant].append(result)
+                print(variant, json.dumps(result), flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"messages": n, "rounds": rounds, "runs": results}, indent=1))
 
 
 if __name__ == "__main__":

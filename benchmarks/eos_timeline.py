@@ -23,32 +23,23 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
+from _cluster import out_path, seeded_eos_cluster  # benchmarks/_cluster.py (scripts run from this directory)
+from _threads import TICK, read_threads
 
 from reliable_kafka.bench import eos
 from reliable_kafka.bench.common import run_child
-from reliable_kafka.bench.worker import produce_raw
 from reliable_kafka.testing.child_connection import connection_from_env
 
 OUT = Path(__file__).resolve().parent / "results" / "eos" / "timeline.json"
 WINDOW_S = 2.0
-_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _thread_cpu(seen: dict[str, tuple[str, int]]) -> collections.Counter[str]:
     """CPU ticks so far of this process's threads, librdkafka's (named rdk:*) apart from the rest."""
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except OSError:
-            continue  # the thread ended: its last reading stays counted
-        seen[tid] = ("librdkafka" if name.startswith("rdk:") else "python", int(fields[11]) + int(fields[12]))
+    read_threads(seen)
     total: collections.Counter[str] = collections.Counter()
-    for kind, ticks in seen.values():
-        total[kind] += ticks
+    for name, ticks in seen.values():
+        total["librdkafka" if name.startswith("rdk:") else "python"] += ticks
     return total
 
 
@@ -87,8 +78,8 @@ def child(variant: str, source: str, output: str, n: int) -> None:
         if n1 > n0:
             per = 1e6 / (n1 - n0)
             windows.append({"t_s": round(t1, 1), "copied": n1, "rate": round((n1 - n0) / (t1 - t0)),
-                            "python_us": round((py1 - py0) / _TICK * per, 2),
-                            "librdkafka_us": round((rdk1 - rdk0) / _TICK * per, 2),
+                            "python_us": round((py1 - py0) / TICK * per, 2),
+                            "librdkafka_us": round((rdk1 - rdk0) / TICK * per, 2),
                             "gc_us": round((gc1 - gc0) * per, 2)})
     print(json.dumps({"rate": rate, "windows": windows}), flush=True)
     os._exit(0)  # a lingering librdkafka thread must not keep the run waiting
@@ -117,15 +108,10 @@ def main() -> None:
     if argv[:1] == ["--child"]:
         child(argv[1], argv[2], argv[3], int(argv[4]))
         return
-    out_path = OUT
-    if argv[:1] == ["--out"]:
-        out_path, argv = Path(argv[1]), argv[2:]
+    path, argv = out_path(argv, OUT)
     n = int(argv[0])
     result: dict[str, Any] = {"messages": n, "window_s": WINDOW_S, "variants": {}}
-    with bench_cluster() as (_cluster, conn, create):
-        source = f"eos-timeline-in-{uuid.uuid4().hex[:6]}"
-        create(source, eos.PARTITIONS)
-        produce_raw(conn, source, n, with_ids=True)
+    with seeded_eos_cluster("eos-timeline", n) as (conn, create, source):
         for variant in (eos.VARIANT, eos.BASELINE):
             output = f"eos-timeline-out-{uuid.uuid4().hex[:6]}"
             create(output, eos.PARTITIONS)
@@ -135,8 +121,8 @@ def main() -> None:
             for w in run["windows"]:
                 print(f"  {w['t_s']:6.1f} s {w['copied']:>9,} copied {w['rate']:>8,}/s  python {w['python_us']:5.2f} us"
                       f"  librdkafka {w['librdkafka_us']:5.2f} us  gc {w['gc_us']:4.2f} us", flush=True)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -29,12 +29,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
+from _cluster import eos_copies, out_path, seeded_eos_cluster  # benchmarks/_cluster.py (run from this directory)
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from reliable_kafka.bench import eos
 from reliable_kafka.bench.common import run_child
-from reliable_kafka.bench.worker import produce_raw
 from reliable_kafka.config import consumer_config, transactional_producer_config
 from reliable_kafka.testing.child_connection import connection_from_env
 
@@ -127,35 +126,26 @@ def main() -> None:
     if argv[:1] == ["--child"]:
         child(argv[1], argv[2], int(argv[3]), int(argv[4]))
         return
-    out_path = OUT
-    if argv[:1] == ["--out"]:
-        out_path, argv = Path(argv[1]), argv[2:]
+    path, argv = out_path(argv, OUT)
     n, rounds = int(argv[0]), int(argv[1])
     runs: dict[str, list[float]] = {eos.BASELINE: [], eos.VARIANT: [], **{bound: [] for bound in BOUNDS}}
-    with bench_cluster() as (_cluster, conn, create):
-        source = f"eos-bound-in-{uuid.uuid4().hex[:6]}"
-        create(source, eos.PARTITIONS)
-        produce_raw(conn, source, n, with_ids=True)
-        for r in range(rounds + 1):
-            for variant, rates in runs.items():
-                output = f"eos-bound-{variant}-{uuid.uuid4().hex[:6]}"
-                create(output, eos.PARTITIONS)
-                copy = n if r else min(n, eos.WARM_UP_RECORDS)
-                if variant in BOUNDS:
-                    argv_child = [sys.executable, __file__, "--child", source, output, str(copy), str(BOUNDS[variant])]
-                    result = run_child(argv_child, conn, variant)
-                else:
-                    result = eos._in_own_process(variant, conn, source, output, copy)
-                if r:  # the first copy of each only warms the brokers up
-                    rates.append(result["msgs_per_s"])
-                    print(f"round {r} {variant}: {result['msgs_per_s']:,.0f} records/s", flush=True)
+    with seeded_eos_cluster("eos-bound", n) as (conn, create, source):
+        for measured, variant, output, copy in eos_copies(create, "eos-bound", runs, n, rounds):
+            if variant in BOUNDS:
+                argv_child = [sys.executable, __file__, "--child", source, output, str(copy), str(BOUNDS[variant])]
+                result = run_child(argv_child, conn, variant)
+            else:
+                result = eos._in_own_process(variant, conn, source, output, copy)
+            if measured:  # the first copy of each only warms the brokers up
+                runs[variant].append(result["msgs_per_s"])
+                print(f"{variant}: {result['msgs_per_s']:,.0f} records/s", flush=True)
     base = runs[eos.BASELINE]
     ratios = {v: [rate / b for rate, b in zip(rates, base, strict=True)] for v, rates in runs.items()}
     for variant, rates in runs.items():
         print(f"{variant}: median {statistics.median(rates):,.0f} records/s, ratio per round "
               f"{', '.join(f'{x:.2f}' for x in ratios[variant])}")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps({"messages": n, "rounds": rounds, "interval_s": INTERVAL_S, "runs": runs,
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"messages": n, "rounds": rounds, "interval_s": INTERVAL_S, "runs": runs,
                                     "ratios": ratios}, indent=1))
 
 
