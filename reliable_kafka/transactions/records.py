@@ -1,7 +1,8 @@
-"""What a transaction carries: the transform's OutputRecords, flattened to plain output tuples, in Batches.
+"""What a transaction carries: the transform's OutputRecords, flattened to plain fields, in Batches.
 
-Guarantee: every output gets a deterministic rk-id from its input, and a processed record is held as
-atoms the garbage collector stops tracking, however long it waits behind a commit.
+Guarantee: every output gets a deterministic rk-id from its input, and a processed record's outputs are
+held as plain fields of one list, nothing the garbage collector tracks per record, however long they wait
+behind a commit.
 """
 
 from __future__ import annotations
