@@ -40,10 +40,16 @@ def seeded_eos_cluster(name: str, messages: int) -> Iterator[tuple[dict[str, Any
     """A cluster for the eos scripts, its input topic seeded as `bench eos` seeds it (MESSAGES records with
     rk-ids, in eos.PARTITIONS partitions): yields (client settings, topic maker, the input topic)."""
     with bench_cluster() as (_cluster, conn, create):
-        source = f"{name}-in-{uuid.uuid4().hex[:6]}"
-        create(source, eos.PARTITIONS)
-        produce_raw(conn, source, messages, with_ids=True)
-        yield conn, create, source
+        yield conn, create, seed_eos_input(conn, create, name, messages)
+
+
+def seed_eos_input(conn: dict[str, Any], create: Callable[..., Any], name: str, messages: int) -> str:
+    """A new input topic seeded as `bench eos` seeds it (MESSAGES records with rk-ids, in eos.PARTITIONS
+    partitions); returns its name."""
+    source = f"{name}-in-{uuid.uuid4().hex[:6]}"
+    create(source, eos.PARTITIONS)
+    produce_raw(conn, source, messages, with_ids=True)
+    return source
 
 
 def eos_copies(create: Callable[..., Any], name: str, variants: Iterable[str], messages: int, rounds: int,

@@ -30,11 +30,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
+from _cluster import bench_cluster, seed_eos_input  # benchmarks/_cluster.py (scripts run from this directory)
 
 from reliable_kafka.bench import eos
 from reliable_kafka.bench.common import run_variant
-from reliable_kafka.bench.worker import produce_raw
 
 HERE = str(Path(__file__).resolve().parent.parent)
 
@@ -47,11 +46,7 @@ def main() -> None:
         raise SystemExit("name each row VARIANT@before or VARIANT@after")
     with bench_cluster() as (_cluster, conn, create):
         load_before = os.getloadavg()
-        source = ""
-        if bench == "eos":
-            source = f"bench-eos-in-{uuid.uuid4().hex[:8]}"
-            create(source, eos.PARTITIONS)
-            produce_raw(conn, source, n, with_ids=True)
+        source = seed_eos_input(conn, create, "bench-eos", n) if bench == "eos" else ""
 
         def one(variant: str, version: str, messages: int = n) -> dict[str, Any]:
             topic = f"bench-{uuid.uuid4().hex[:8]}"

@@ -29,7 +29,7 @@ from reliable_kafka.stats import Counters, Stats
 from reliable_kafka.transactions.calls import MIN_CALL_S, CallWatch, Deadlines, Failure, call
 from reliable_kafka.transactions.client import TransactionalClient
 from reliable_kafka.transactions.committer import Committer
-from reliable_kafka.transactions.records import OUT_WIDTH, Batch, Out, TopicPartitionKey
+from reliable_kafka.transactions.records import OUT_WIDTH, Batch, HeaderValue, Out, TopicPartitionKey, each_out
 from reliable_kafka.transactions.rewind import seek_to_committed
 from reliable_kafka.transactions.steps import TxnStep, next_step
 
@@ -199,11 +199,10 @@ class Checkpoint:
         producer = self.client.producer
         assert producer is not None
         produce = producer.produce
-        # records.each_out() inline: zip takes OUT_WIDTH items at a time, the fields of one Out.
-        for topic, value, key, partition, headers, source, offset, dead in zip(*[iter(batch.outputs)] * OUT_WIDTH,
-                                                                                strict=True):
+        for topic, value, key, partition, headers, source, offset, dead in each_out(batch.outputs):
             # The header list produce() takes, inline (a call per record costs as much as the rest).
-            listed = list(headers) if headers.__class__ is tuple else [(ID_HEADER, headers)]
+            listed: list[tuple[str, HeaderValue]] = (
+                list(headers) if headers.__class__ is tuple else [(ID_HEADER, headers)])  # type: ignore[list-item]
             try:
                 try:
                     # Positional, as in ReliableProducer._produce: keywords cost ~1 µs a call.
