@@ -83,7 +83,7 @@ class TransformFailures:
             dlq = self._dlq_topics[topic] = dlq_topic_for(topic, self._template)
         original = input_headers(msg)
         if not has_id(original):
-            original.append((ID_HEADER, input_id(msg, (topic, partition), offset).encode()))
+            original.append((ID_HEADER, input_id(msg, (topic, partition), offset)))
         kind, stamp = msg.timestamp()
         headers = dead_letter_headers(
             topic=topic,

@@ -363,7 +363,7 @@ class TransactionalProcessor:
                     outputs, dead = failures.after_failure(msg, first)
             expected, moved = offset + 1, True
             # Each output gets its rk-id now, while the input is at hand: "<input rk-id>:<index>".
-            base: str | None = None
+            base: bytes | None = None
             index = 0
             headers: OutHeaders
             for out in outputs:
@@ -371,7 +371,7 @@ class TransactionalProcessor:
                 if given is None:
                     if base is None:
                         base = input_id(msg, key, offset)
-                    headers = f"{base}:{index}"  # the rk-id alone: the header list is made at produce()
+                    headers = b"%s:%d" % (base, index)  # the rk-id alone: the header list is made at produce()
                 else:
                     if given.__class__ is not list:
                         given = header_list(given)
@@ -385,7 +385,7 @@ class TransactionalProcessor:
                         headers = tuple(given)
                     else:
                         base = base or input_id(msg, key, offset)
-                        headers = (*given, (ID_HEADER, f"{base}:{index}"))
+                        headers = (*given, (ID_HEADER, b"%s:%d" % (base, index)))
                 # A records.Out's fields, positionally: topic, value, key, partition, headers, input, offset,
                 # dead. extend() with a tuple: the tuple dies at once, so nothing tracked outlives the record.
                 flat.extend((out.topic, out.value, out.key, -1 if out.partition is None else out.partition,
