@@ -57,7 +57,7 @@ from reliable_kafka.producer import AsyncReliableProducer, Message, ReliableProd
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.spool import Durability, OutboxRow
 from reliable_kafka.stats import Stats
-from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
+from reliable_kafka.transactions import MapValues, OutputRecord, TransactionalProcessor
 
 if TYPE_CHECKING:
     from reliable_kafka.dedup.redis import RedisDedupStore
@@ -83,6 +83,7 @@ __all__ = [
     "DedupPolicy",
     "DedupStore",
     "Durability",
+    "MapValues",
     "Message",
     "OutboxRow",
     "OutputRecord",

@@ -34,7 +34,7 @@ from reliable_kafka.testing.child_connection import Connection, child_env, conne
 from reliable_kafka.testing.cluster import LocalKafkaCluster
 from reliable_kafka.testing.gates import Feeder, fire_when, wait_drained
 from reliable_kafka.testing.offsets_probe import OffsetsProbe
-from reliable_kafka.transactions import CommitInfo, OutputRecord, TransactionalProcessor
+from reliable_kafka.transactions import CommitInfo, MapValues, OutputRecord, TransactionalProcessor
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,18 @@ def copy_transform(output_topic: str, delay_s: float = 0.0) -> Callable[[Message
     return transform
 
 
+def map_values_copy(output_topic: str, delay_s: float = 0.0) -> MapValues:
+    """The same copy as a MapValues (the processor's own path for it): the value as it is, under the
+    input's key, with the rk-id "<input rk-id>:0"."""
+
+    def value(msg: Message) -> bytes | None:
+        if delay_s:
+            time.sleep(delay_s)
+        return msg.value()
+
+    return MapValues(output_topic, value)
+
+
 # ---- the copier as a child process ------------------------------------------------------------
 
 
@@ -181,6 +193,8 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--group", required=True)
     ap.add_argument("--instance", required=True, help="stable instance name: the transactional.id suffix")
     ap.add_argument("--delay-ms", type=float, default=0.0, help="pause per record, to stretch the copy")
+    ap.add_argument("--transform", choices=["copy", "map-values"], default="copy",
+                    help="eos: an OutputRecord per record (copy) or a MapValues (map-values)")
     ap.add_argument("--static-membership", action="store_true",
                     help="use the instance name as group.instance.id: a restart rejoins without a rebalance")
     ap.add_argument("--session-timeout-ms", type=int, default=6_000)
@@ -215,7 +229,7 @@ def copier_main(argv: Sequence[str] | None = None) -> int:
         copier = TransactionalProcessor(
             {**connection, "group.id": args.group},
             input_topics=[args.input],
-            transform=copy_transform(args.output, delay),
+            transform=(copy_transform if args.transform == "copy" else map_values_copy)(args.output, delay),
             transactional_id=f"{args.group}-{args.instance}",
             consumer_overrides=consumer_overrides,
             producer_overrides={"transaction.timeout.ms": args.transaction_timeout_ms},

@@ -6,13 +6,14 @@ a package still is.
 
 from reliable_kafka.transactions.checkpoint import Checkpoint, CommitInfo, Outcome, ProcessorStats
 from reliable_kafka.transactions.processor import DEFAULT_RETRY_POLICY, TransactionalProcessor
-from reliable_kafka.transactions.records import OutputRecord, Transform
+from reliable_kafka.transactions.records import MapValues, OutputRecord, Transform
 from reliable_kafka.transactions.steps import TxnStep, next_step
 
 __all__ = [
     "DEFAULT_RETRY_POLICY",
     "Checkpoint",
     "CommitInfo",
+    "MapValues",
     "Outcome",
     "OutputRecord",
     "ProcessorStats",

@@ -33,6 +33,7 @@ from reliable_kafka.transactions.coding import coded
 from reliable_kafka.transactions.failures import TransformFailures
 from reliable_kafka.transactions.records import (
     Batch,
+    MapValues,
     OutHeaders,
     OutputRecord,
     Outputs,
@@ -160,6 +161,8 @@ class TransactionalProcessor:
         transform = coded(transform, value_deserializer=value_deserializer, key_deserializer=key_deserializer,
                           value_serializer=value_serializer, key_serializer=key_serializer)
         self._transform = transform
+        # A MapValues with no (de)serializers around it has a path of its own in the loop (see MapValues).
+        self._mapped = (transform.fn, transform.topic) if isinstance(transform, MapValues) else None
         self._group_id = group
         # Looked up once: with no OpenTelemetry SDK installed the hot path stays free of span calls.
         self._tracing = telemetry.tracing_enabled()
@@ -313,6 +316,7 @@ class TransactionalProcessor:
         checkpoint, failures = self._checkpoint, self._failures
         owned, positions, refused, now = checkpoint.owned, checkpoint.positions, failures.refused, time.monotonic
         transform = self._transform_traced if self._tracing else self._transform
+        map_fn, map_topic = (None, "") if self._mapped is None or self._tracing else self._mapped
         next_check = checkpoint.next_check
         batch = Batch()
         flat, offsets = batch.outputs, batch.offsets
@@ -350,6 +354,19 @@ class TransactionalProcessor:
             outputs: Outputs
             if parked is not None:
                 outputs, dead = [failures.dead_letter(msg, *parked)], True
+            elif map_fn is not None:
+                # A MapValues: its output's fields go into the batch here, with the rk-id an OutputRecord
+                # without headers would get, and no OutputRecord is made. Only a failure takes the general
+                # path below (its retry returns OutputRecords).
+                try:
+                    value = map_fn(msg)
+                    outputs, dead = (), False
+                except Exception as first:
+                    outputs, dead = failures.after_failure(msg, first)
+                else:
+                    if value is not None:
+                        flat.extend((map_topic, value, msg.key(), -1, input_id(msg, key, offset) + b":0", key,
+                                     offset, False))
             else:
                 try:
                     outputs = transform(msg)  # type: ignore[assignment]  # made a Sequence just below

@@ -29,7 +29,7 @@ from reliable_kafka.testing import LocalKafkaCluster, consume_all
 from reliable_kafka.testing.gates import Feeder, fire_when, wait_for
 from reliable_kafka.testing.offsets_probe import OffsetsProbe, group_lag
 from reliable_kafka.testing.verify import verdict
-from reliable_kafka.transactions import OutputRecord, TransactionalProcessor
+from reliable_kafka.transactions import MapValues, OutputRecord, TransactionalProcessor
 from tests.fixtures.members import MemberLogs
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -87,13 +87,13 @@ def offsets(kafka: LocalKafkaCluster) -> Iterator[OffsetsProbe]:
 
 
 def copier(kafka: LocalKafkaCluster, logs: MemberLogs, mode: str, source: str, output: str, group: str,
-           instance: str, delay_ms: float, *, static: bool = False) -> CopierProcess:
+           instance: str, delay_ms: float, *, static: bool = False, transform: str = "copy") -> CopierProcess:
     """A copier child logging to its member log; `static` uses static group membership, so a restart
-    rejoins without a rebalance."""
+    rejoins without a rebalance. `transform` "map-values" has a processor copy through a MapValues."""
     name = f"{mode}-{instance}"
     return CopierProcess(
         ["--mode", mode, "--bootstrap", kafka.bootstrap_servers, "--input", source, "--output", output,
-         "--group", group, "--instance", instance, "--delay-ms", str(delay_ms),
+         "--group", group, "--instance", instance, "--delay-ms", str(delay_ms), "--transform", transform,
          *(["--static-membership"] if static else [])],
         name=name, log_path=logs.path(name),
     )
@@ -132,9 +132,10 @@ def test_copiers_sigkilled_in_three_rounds_copy_every_record_exactly_once(kafka,
     # Static membership: a killed copier's restart takes its partition back at once instead of after a
     # session timeout, so each copier keeps one input partition and 12 kills fit the time budget. (The
     # broker test below runs the group dynamically, with the rebalances and lost partitions that brings.)
-    # 6 ms a record: a copier copies ~160 records a second, so a transaction holds a dozen or more.
-    eos = [copier(kafka, member_logs, "eos", source.topic, output, groups["eos"], f"c{i}", 6.0, static=True)
-           for i in range(2)]
+    # 6 ms a record: a copier copies ~160 records a second, so a transaction holds a dozen or more. The
+    # second processor copies through a MapValues, the loop's other path, killed the same way.
+    eos = [copier(kafka, member_logs, "eos", source.topic, output, groups["eos"], f"c{i}", 6.0, static=True,
+                  transform=("copy", "map-values")[i]) for i in range(2)]
     control = [copier(kafka, member_logs, "control", source.topic, control_output, groups["control"], f"c{i}", 6.0,
                       static=True) for i in range(2)]
     group_of = {c: groups["eos"] for c in eos} | {c: groups["control"] for c in control}
@@ -343,7 +344,8 @@ def test_a_zombie_with_the_same_transactional_id_is_fenced_and_writes_nothing_af
     assert writers.count(b"new") == new.stats().outputs_committed > 0
 
 
-def test_poison_input_is_dead_lettered_inside_the_transaction_and_the_rest_goes_on(kafka, make_topic) -> None:
+@pytest.mark.parametrize("kind", ["transform", "map_values"])
+def test_poison_input_is_dead_lettered_inside_the_transaction_and_the_rest_goes_on(kafka, make_topic, kind) -> None:
     bs = kafka.bootstrap_servers
     source = make_topic(partitions=1, prefix="poison-in")
     output = make_topic(partitions=3, prefix="poison-out")
@@ -353,18 +355,21 @@ def test_poison_input_is_dead_lettered_inside_the_transaction_and_the_rest_goes_
     oversized = values[200]  # its output is bigger than any broker takes: refused for good
     calls: Counter[bytes] = Counter()
 
-    def transform(msg: Message) -> list[OutputRecord]:
+    def mapped(msg: Message) -> bytes:
         value = msg.value() or b""
         calls[value] += 1
         if value in unparsable:
             raise ValueError(f"cannot parse {value!r}")
-        payload = value * 200_000 if value == oversized else value
-        return [OutputRecord(output, payload, msg.key(), msg.headers())]
+        return value * 200_000 if value == oversized else value
+
+    def transform(msg: Message) -> list[OutputRecord]:
+        return [OutputRecord(output, mapped(msg), msg.key(), msg.headers())]
 
     group = f"poison-{uuid.uuid4().hex[:6]}"
     processor = TransactionalProcessor(
         {"bootstrap.servers": bs, "group.id": group}, input_topics=[source],
-        transform=transform, transactional_id=f"poison-{uuid.uuid4().hex[:6]}",
+        transform=transform if kind == "transform" else MapValues(output, mapped),
+        transactional_id=f"poison-{uuid.uuid4().hex[:6]}",
         retry=RetryPolicy(attempts=3, initial_backoff_s=0.01, max_backoff_s=0.05, jitter=False),
     )
     with processor:
@@ -380,8 +385,13 @@ def test_poison_input_is_dead_lettered_inside_the_transaction_and_the_rest_goes_
 
     # Each pass gets the retry policy's 3 attempts; the abort below makes some records pass twice.
     assert all(calls[v] in (3, 6) for v in unparsable), calls
-    out = verdict(set(values) - unparsable - {oversized}, [m.value() or b"" for m in consume_all(bs, output)])
+    written = list(consume_all(bs, output))
+    out = verdict(set(values) - unparsable - {oversized}, [m.value() or b"" for m in written])
     assert (out.lost, out.duplicates, out.consumed) == (0, 0, len(values) - 3), (out, stats)
+    ids = [message_id_of(m.headers()) for m in written]
+    assert len(set(ids)) == len(written) and None not in ids
+    if kind == "map_values":  # the rk-id an OutputRecord without headers gets: "<input rk-id>:0"
+        assert all(i is not None and i.endswith(":0") for i in ids), ids[:3]
     dead = list(consume_all(bs, f"{source}.dlq"))
     assert sorted(m.value() for m in dead) == sorted([*unparsable, oversized])
     by_value = {m.value(): (parse_dead_letter_headers(m.headers()), m) for m in dead}
