@@ -29,7 +29,15 @@ from reliable_kafka.stats import Counters, Stats
 from reliable_kafka.transactions.calls import MIN_CALL_S, CallWatch, Deadlines, Failure, call
 from reliable_kafka.transactions.client import TransactionalClient
 from reliable_kafka.transactions.committer import Committer
-from reliable_kafka.transactions.records import OUT_WIDTH, Batch, HeaderValue, Out, TopicPartitionKey, each_out
+from reliable_kafka.transactions.records import (
+    OUT_WIDTH,
+    Batch,
+    HeaderValue,
+    Out,
+    TopicPartitionKey,
+    each_out,
+    not_bytes,
+)
 from reliable_kafka.transactions.rewind import seek_to_committed
 from reliable_kafka.transactions.steps import TxnStep, next_step
 
@@ -211,11 +219,13 @@ class Checkpoint:
                     # Bounded by message.timeout.ms: then queued records fail, which frees room, and
                     # the commit aborts.
                     produce_when_room(producer, topic, value, key, partition, None, None, 0, listed)
-            except KafkaException as exc:
+            except (KafkaException, TypeError) as exc:
                 # The transaction is incomplete: abort it (dead-lettering the input next time round, if
-                # Kafka will never take the output), unless the refused output was a dead-letter copy.
-                stop = self._on_refused((topic, value, key, partition, headers, source, offset, dead), exc)
-                self.recover(Failure("produce", next_step("produce", exc), exc))
+                # Kafka will never take the output), unless the refused output was a dead-letter copy. A
+                # TypeError is a value, key or header that is not bytes: Kafka will never take that either.
+                refused = exc if isinstance(exc, KafkaException) else not_bytes(topic, value, key, exc)
+                stop = self._on_refused((topic, value, key, partition, headers, source, offset, dead), refused)
+                self.recover(Failure("produce", next_step("produce", refused), refused))
                 if stop is not None:
                     self.broken = stop
                     raise stop from exc

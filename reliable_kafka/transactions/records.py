@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, TypeAlias, cast
 
-from confluent_kafka import Message
+from confluent_kafka import KafkaError, KafkaException, Message
 
 from reliable_kafka.ids import ID_HEADER
 
@@ -150,6 +150,18 @@ def input_id(msg: Message, key: TopicPartitionKey, offset: int) -> bytes:
             if name == ID_HEADER:
                 found = value
     return found if found is not None else b"%s/%d/%d" % (key[0].encode(), key[1], offset)
+
+
+def not_bytes(topic: str, value: object, key: object, error: TypeError) -> KafkaException:
+    """What produce() refusing an output's value, key or headers with a TypeError means: they are not bytes
+    and no serializer made them bytes. Kafka could never take that output, so it is refused for good, as a
+    broker's refusal would be (its input is dead-lettered with this error), and the error names the fix."""
+    wrong = [f"its {name} ({type(obj).__name__}) is not bytes" for name, obj in (("value", value), ("key", key))
+             if obj is not None and not isinstance(obj, (bytes, bytearray, memoryview, str))]
+    reason = " and ".join(wrong) or f"{error}"
+    return KafkaException(KafkaError(KafkaError._INVALID_ARG, (
+        f"an output to {topic!r} cannot be written: {reason}; return bytes from the transform, or pass "
+        "value_serializer= / key_serializer= to the processor")))
 
 
 def check_output(out: object) -> None:

@@ -22,6 +22,7 @@ from confluent_kafka import KafkaError, KafkaException, Message, Producer
 
 from reliable_kafka import kafka_errors
 from reliable_kafka.config import transactional_producer_config
+from reliable_kafka.dlq import parse_dead_letter_headers
 from reliable_kafka.errors import (
     AuthorizationFailed,
     ConfigError,
@@ -31,6 +32,7 @@ from reliable_kafka.errors import (
 )
 from reliable_kafka.testing.mock import MockCluster
 from reliable_kafka.transactions import (
+    MapValues,
     OutputRecord,
     ProcessorStats,
     TransactionalProcessor,
@@ -65,7 +67,8 @@ class Copy:
 
     def __init__(self, mock: MockCluster, timeout_s: float = 2.0,
                  transform: Callable[[Message, str], list[OutputRecord]] | None = None,
-                 batch_interval_s: float = 0.1, producer_overrides: dict[str, Any] | None = None) -> None:
+                 batch_interval_s: float = 0.1, producer_overrides: dict[str, Any] | None = None,
+                 mapped: Callable[[Message], Any] | None = None) -> None:
         self.mock = mock
         suffix = uuid.uuid4().hex[:6]
         self.source, self.output = f"in-{suffix}", f"out-{suffix}"
@@ -82,7 +85,8 @@ class Copy:
         self.processor = TransactionalProcessor(
             {"bootstrap.servers": mock.bootstrap_servers, "group.id": self.group},
             input_topics=[self.source],
-            transform=(lambda msg: [OutputRecord(self.output, msg.value(), msg.key())]) if transform is None
+            transform=MapValues(self.output, mapped) if mapped is not None
+            else (lambda msg: [OutputRecord(self.output, msg.value(), msg.key())]) if transform is None
             else (lambda msg: transform(msg, self.output)),
             transactional_id=self.tid,
             operation_timeout_s=timeout_s,
@@ -355,14 +359,14 @@ def test_an_outputs_headers_are_kept_whatever_their_shape(mock: MockCluster) -> 
     assert got == [expected(copy.source) for _, expected in HEADER_CASES]
 
 
-def _reader(mock: MockCluster, topic: str) -> list[Message]:
+def _reader(mock: MockCluster, topic: str, n: int = 5) -> list[Message]:
     from confluent_kafka import Consumer, TopicPartition
 
     consumer = Consumer({"bootstrap.servers": mock.bootstrap_servers, "group.id": f"r-{uuid.uuid4().hex[:6]}"})
     consumer.assign([TopicPartition(topic, 0, 0)])
     out: list[Message] = []
     deadline = time.monotonic() + 10
-    while len(out) < 5 and time.monotonic() < deadline:
+    while len(out) < n and time.monotonic() < deadline:
         out += [m for m in consumer.consume(10, 0.5) if m.error() is None]
     consumer.close()
     return out
@@ -423,3 +427,31 @@ def test_an_old_epoch_is_told_from_a_takeover(error: KafkaError, bumped: bool) -
     assert kafka_errors.epoch_bumped(KafkaException(error)) is bumped
     step = next_step("send_offsets_to_transaction", KafkaException(error))
     assert step is (TxnStep.RECREATE if bumped else TxnStep.STOP)
+
+
+# ---- bad output: not bytes, no serializer -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["transform", "map_values"])
+def test_an_output_that_is_not_bytes_dead_letters_its_input_with_the_fix_and_the_rest_is_copied(
+        mock: MockCluster, kind: str) -> None:
+    def value_of(msg: Message) -> Any:
+        return 42 if msg.value() == b"v-2" else msg.value()  # an int, and no value_serializer
+
+    if kind == "map_values":
+        copy = Copy(mock, mapped=value_of)
+    else:
+        copy = Copy(mock, transform=lambda msg, output: [OutputRecord(output, value_of(msg), msg.key())])
+    mock.create_topic(f"{copy.source}.dlq", 1)
+    copy.feed(5)
+    copy.start().wait_committed(5)
+    stats = copy.finish()
+
+    assert copy.error is None
+    assert sorted(m.value() for m in _reader(mock, copy.output, 4)) == [b"v-0", b"v-1", b"v-3", b"v-4"]
+    [dead] = _reader(mock, f"{copy.source}.dlq", 1)
+    info = parse_dead_letter_headers(dead.headers())
+    assert (dead.value(), info.offset) == (b"v-2", 2)
+    # The error names the output's topic, what is wrong with it and the fix.
+    assert copy.output in info.error and "value (int) is not bytes" in info.error and "value_serializer=" in info.error
+    assert stats.dead_lettered == 1 and stats.transactions_aborted >= 1, stats
