@@ -4,13 +4,13 @@
 
 One 3-node cluster; MESSAGES records with rk-ids are seeded once; then, after one unmeasured copy of up to
 200,000 records each, the at-least-once copier and TransactionalProcessor (100 ms commits) take turns
-copying them, ROUNDS times, each copy in a process of its own, as `bench eos` runs them. Per copy and per
-record: the CPU of the thread that runs the loop, of the other Python threads (the processor's commit
-thread) and of librdkafka's threads (their total and the busiest one's), the time the garbage collector
-took and its collections per generation, the share of consume() calls made while a commit was in flight,
-and, from the producer's statistics, each broker thread's wake-ups and produce requests: a broker thread
-that wakes millions of times for a few hundred requests is spinning. Written to PATH (default
-benchmarks/results/eos/cpu.json).
+copying them (the processor twice: with the copy Transform and with a MapValues), ROUNDS times, each copy in
+a process of its own, as `bench eos` runs them. Per copy and per record: the CPU of the thread that runs the
+loop, of the other Python threads (the processor's commit thread) and of librdkafka's threads (their total
+and the busiest one's), the time the garbage collector took and its collections per generation, the share of
+consume() calls made while a commit was in flight, and, from the producer's statistics, each broker thread's
+wake-ups and produce requests: a broker thread that wakes millions of times for a few hundred requests is
+spinning. Written to PATH (default benchmarks/results/eos/cpu.json).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> None:
         return
     path, argv = out_path(argv, OUT)
     n, rounds = int(argv[0]), int(argv[1])
-    results: dict[str, list[dict[str, Any]]] = {eos.BASELINE: [], eos.VARIANT: []}
+    results: dict[str, list[dict[str, Any]]] = {eos.BASELINE: [], eos.VARIANT: [], eos.MAP_VALUES: []}
     with seeded_eos_cluster("eos-cpu", n) as (conn, create, source):
         for measured, variant, output, copy in eos_copies(create, "eos-cpu", results, n, rounds):
             argv_child = [sys.executable, __file__, "--child", variant, source, output, str(copy)]

@@ -36,6 +36,7 @@ TARGETS: dict[tuple[str, str], float] = {
     # Against confluent-kafka's aio.AIOConsumer in a loop with manual commits, same async handler.
     ("consumer", "aio_reliable"): 0.9,
     ("eos", "transactional_processor"): 0.85,
+    ("eos", "transactional_processor_map_values"): 0.85,
     # Against the idempotent consumer written by hand on the same store (TARGET_BASELINES).
     ("dedup", "sqlite"): 0.8,
     ("dedup", "redis"): 0.8,

@@ -1,5 +1,8 @@
 """`reliable-kafka bench eos`: the at-least-once copier against TransactionalProcessor committing every
 100 ms, in the same run on the same brokers, each copying the same seeded input in a process of its own.
+The processor copies twice: with a Transform that returns an OutputRecord per record
+(`transactional_processor`) and with a MapValues (`transactional_processor_map_values`, the values as they
+are: the same value, key and one rk-id header per record as the copier writes).
 
 Only the copy is measured: the input is seeded first, and the clock runs from a variant's first commit
 to the commit that covers the last record, so process start and the group join are left out of both.
@@ -17,14 +20,17 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from confluent_kafka import Message
+
 from reliable_kafka.bench.common import peak_rss_mb, rows_against, run_child
 from reliable_kafka.bench.worker import produce_raw
 from reliable_kafka.lab.eos_copier_bounce import AtLeastOnceCopier, copy_transform
 from reliable_kafka.testing.child_connection import Connection, connection_from_env
-from reliable_kafka.transactions import CommitInfo, TransactionalProcessor
+from reliable_kafka.transactions import CommitInfo, MapValues, TransactionalProcessor
 
 BASELINE = "at_least_once_copier"
 VARIANT = "transactional_processor"
+MAP_VALUES = "transactional_processor_map_values"
 PARTITIONS = 3
 WARM_UP_RECORDS = 200_000
 
@@ -36,11 +42,11 @@ def run_eos_bench(
     *,
     repeat: int = 3,
 ) -> list[dict[str, Any]]:
-    """Rows of `reliable-kafka bench --json` for the baseline (ratio 1.0) and TransactionalProcessor.
+    """Rows of `reliable-kafka bench --json` for the baseline (ratio 1.0) and TransactionalProcessor's two.
 
     `create_topic(name, partitions)` (required) makes the topics. After an unmeasured copy by each (of
     at most WARM_UP_RECORDS records), each variant copies the input `repeat` times, interleaved with
-    the other so that a slow spell of a shared host hits both, and its median counts: on a busy host one
+    the others so that a slow spell of a shared host hits both, and its median counts: on a busy host one
     lucky run would otherwise decide the ratio.
     """
     if create_topic is None:
@@ -50,7 +56,7 @@ def run_eos_bench(
     # A fast raw idempotent producer, not measured. The records carry rk-ids, as ReliableProducer's do,
     # so both copiers carry the same headers across and the difference is the transactions.
     produce_raw(connection, source, messages, with_ids=True)
-    runs: dict[str, list[dict[str, Any]]] = {BASELINE: [], VARIANT: []}
+    runs: dict[str, list[dict[str, Any]]] = {BASELINE: [], VARIANT: [], MAP_VALUES: []}
     # An unmeasured copy by each variant first: the brokers' transactional paths (the coordinator, the
     # markers) run cold the first time: in 600k-record probes the first round's processor made the
     # brokers spend 20-26 s of CPU against 7-14 s in later rounds, which decided that round's ratio.
@@ -88,16 +94,16 @@ def copy_rate(variant: str, connection: Connection, source: str, output: str, me
                                    on_commit=on_commit)
         copier.run()
         copier.close()
-    elif variant == VARIANT:
+    elif variant in (VARIANT, MAP_VALUES):
         copier = TransactionalProcessor(
             {**connection, "group.id": group}, input_topics=[source],
-            transform=copy_transform(output), transactional_id=f"{group}-0", max_batch_interval_s=0.1,
-            on_commit=on_commit,
+            transform=copy_transform(output) if variant == VARIANT else MapValues(output, Message.value),
+            transactional_id=f"{group}-0", max_batch_interval_s=0.1, on_commit=on_commit,
         )
         with copier:
             copier.run()
     else:
-        raise ValueError(f"unknown eos variant {variant!r}; use {BASELINE} or {VARIANT}")
+        raise ValueError(f"unknown eos variant {variant!r}; use {BASELINE}, {VARIANT} or {MAP_VALUES}")
     (first_at, first_total), (last_at, last_total) = marks[0], marks[-1]
     if last_total < messages or last_at <= first_at:
         raise RuntimeError(f"{variant} copied {last_total} of {messages} records in {len(marks)} commit(s)")
@@ -106,7 +112,7 @@ def copy_rate(variant: str, connection: Connection, source: str, output: str, me
 
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="one eos benchmark variant; prints its result as JSON")
-    ap.add_argument("variant", choices=[BASELINE, VARIANT])
+    ap.add_argument("variant", choices=[BASELINE, VARIANT, MAP_VALUES])
     ap.add_argument("--input", required=True)
     ap.add_argument("--output", required=True)
     ap.add_argument("--messages", type=int, required=True)
