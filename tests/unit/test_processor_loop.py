@@ -16,12 +16,20 @@ from typing import Any
 import pytest
 from confluent_kafka import Message
 
+from reliable_kafka import telemetry
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.transactions import MapValues, Outcome, OutputRecord, TransactionalProcessor, Transform
 from reliable_kafka.transactions import processor as processor_module
 from reliable_kafka.transactions.records import OUT_DEAD, OUT_INPUT, OUT_INPUT_OFFSET, OUT_TOPIC, Batch, each_out
 
 pytestmark = pytest.mark.timeout(30)
+
+
+@pytest.fixture(autouse=True)
+def _untraced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop as it runs without an OpenTelemetry SDK: a tracer provider another test of the session
+    installed would otherwise wrap every transform in a span (and a MapValues's in the general path)."""
+    monkeypatch.setattr(telemetry, "tracing_enabled", lambda: False)
 
 
 class _Clock:
