@@ -22,6 +22,7 @@ from typing import Any
 
 from confluent_kafka import Message
 
+from reliable_kafka.admin import admin_client
 from reliable_kafka.bench.common import peak_rss_mb, rows_against, run_child
 from reliable_kafka.bench.worker import produce_raw
 from reliable_kafka.lab.eos_copier_bounce import AtLeastOnceCopier, copy_transform
@@ -64,12 +65,26 @@ def run_eos_bench(
         output = f"bench-eos-warm-{variant}-{uuid.uuid4().hex[:6]}"
         create_topic(output, PARTITIONS)
         _in_own_process(variant, connection, source, output, min(messages, WARM_UP_RECORDS))
+    drop = _topic_dropper(connection)
     for _ in range(repeat):
         for variant, results in runs.items():
             output = f"bench-eos-{variant}-{uuid.uuid4().hex[:6]}"
             create_topic(output, PARTITIONS)
             results.append(_in_own_process(variant, connection, source, output, messages))
+            # Nothing reads a copy again. Kept, each 5M-record copy held about 2.4 GB of the brokers' disk
+            # (replication 3), and a run's nine copies once filled the development host's disk and
+            # stopped its brokers mid-run.
+            drop(output)
     return [row.as_json() for row in rows_against("eos", BASELINE, runs, messages)]
+
+
+def _topic_dropper(connection: Connection) -> Callable[[str], None]:
+    admin = admin_client(connection["bootstrap.servers"], connection)
+
+    def drop(topic: str) -> None:
+        admin.delete_topics([topic])[topic].result(timeout=60)
+
+    return drop
 
 
 def _in_own_process(variant: str, connection: Connection, source: str, output: str, messages: int) -> dict[str, Any]:
