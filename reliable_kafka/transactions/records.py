@@ -66,6 +66,7 @@ class MapValues:
         value = self.fn(msg)
         return () if value is None else (OutputRecord(self.topic, value, msg.key()),)
 
+
 # One output, ready for produce(): its fields in a fixed order, held in a Batch as OUT_WIDTH consecutive
 # items of one flat list (see Batch) and handed to code outside the hot loops as a plain tuple. Headers
 # are kept as a tuple of pairs, or as the rk-id's value alone (a str for an output without headers of its
@@ -158,7 +159,7 @@ def not_bytes(topic: str, value: object, key: object, error: TypeError) -> Kafka
     broker's refusal would be (its input is dead-lettered with this error), and the error names the fix."""
     wrong = [f"its {name} ({type(obj).__name__}) is not bytes" for name, obj in (("value", value), ("key", key))
              if obj is not None and not isinstance(obj, (bytes, bytearray, memoryview, str))]
-    reason = " and ".join(wrong) or f"{error}"
+    reason = " and ".join(wrong) or str(error)
     return KafkaException(KafkaError(KafkaError._INVALID_ARG, (
         f"an output to {topic!r} cannot be written: {reason}; return bytes from the transform, or pass "
         "value_serializer= / key_serializer= to the processor")))
