@@ -35,6 +35,16 @@ def out_path(argv: list[str], default: Path) -> tuple[Path, list[str]]:
     return default, argv
 
 
+def eos_script_args(argv: list[str], child: Callable[[str, str, str, int], None],
+                    default: Path) -> tuple[Path, list[str]] | None:
+    """What an eos script that copies in child processes of its own was asked: `--child VARIANT SOURCE OUTPUT
+    N` runs `child` (this process is one copy) and gives None; otherwise `--out PATH` and the arguments after it."""
+    if argv[:1] == ["--child"]:
+        child(argv[1], argv[2], argv[3], int(argv[4]))
+        return None
+    return out_path(argv, default)
+
+
 @contextmanager
 def seeded_eos_cluster(name: str, messages: int) -> Iterator[tuple[dict[str, Any], Callable[..., Any], str]]:
     """A cluster for the eos scripts, its input topic seeded as `bench eos` seeds it (MESSAGES records with

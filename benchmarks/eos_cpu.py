@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import confluent_kafka
-from _cluster import eos_copies, out_path, seeded_eos_cluster  # benchmarks/_cluster.py (run from this directory)
+from _cluster import eos_copies, eos_script_args, seeded_eos_cluster  # benchmarks/_cluster.py (run from this directory)
 from _threads import TICK, read_threads
 
 from reliable_kafka.bench import eos
@@ -115,11 +115,10 @@ def child(variant: str, source: str, output: str, n: int) -> None:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    if argv[:1] == ["--child"]:
-        child(argv[1], argv[2], argv[3], int(argv[4]))
-        return
-    path, argv = out_path(argv, OUT)
+    asked = eos_script_args(sys.argv[1:], child, OUT)
+    if asked is None:
+        return  # this process was one child copy
+    path, argv = asked
     n, rounds = int(argv[0]), int(argv[1])
     results: dict[str, list[dict[str, Any]]] = {eos.BASELINE: [], eos.VARIANT: [], eos.MAP_VALUES: []}
     with seeded_eos_cluster("eos-cpu", n) as (conn, create, source):

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from _cluster import out_path, seeded_eos_cluster  # benchmarks/_cluster.py (scripts run from this directory)
+from _cluster import eos_script_args, seeded_eos_cluster  # benchmarks/_cluster.py (scripts run from this directory)
 from _threads import TICK, read_threads
 
 from reliable_kafka.bench import eos
@@ -104,11 +104,10 @@ def _count_commits(cls: Any, copied: list[int]) -> None:
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    if argv[:1] == ["--child"]:
-        child(argv[1], argv[2], argv[3], int(argv[4]))
-        return
-    path, argv = out_path(argv, OUT)
+    asked = eos_script_args(sys.argv[1:], child, OUT)
+    if asked is None:
+        return  # this process was one child copy
+    path, argv = asked
     n = int(argv[0])
     result: dict[str, Any] = {"messages": n, "window_s": WINDOW_S, "variants": {}}
     with seeded_eos_cluster("eos-timeline", n) as (conn, create, source):
