@@ -14,6 +14,7 @@ from typing import Any, Final, TypeAlias, cast
 
 from confluent_kafka import KafkaError, KafkaException, Message
 
+from reliable_kafka.errors import ConfigError
 from reliable_kafka.ids import ID_HEADER
 
 TopicPartitionKey = tuple[str, int]
@@ -61,6 +62,14 @@ class MapValues:
 
     topic: str
     fn: Callable[[Message], Any]
+
+    def __post_init__(self) -> None:
+        # Refused when made: found at the first record, it would dead-letter every input instead.
+        if not isinstance(self.topic, str) or not self.topic.strip():
+            raise ConfigError("MapValues.topic", f"must be the output topic's name, got {self.topic!r}")
+        if not callable(self.fn):
+            raise ConfigError("MapValues.fn", f"must be a function of the consumed Message that returns the "
+                                              f"output's value, got {type(self.fn).__name__}")
 
     def __call__(self, msg: Message) -> tuple[OutputRecord, ...]:
         value = self.fn(msg)

@@ -17,6 +17,7 @@ import pytest
 from confluent_kafka import Message
 
 from reliable_kafka import telemetry
+from reliable_kafka.errors import ConfigError
 from reliable_kafka.retry import RetryPolicy
 from reliable_kafka.transactions import MapValues, Outcome, OutputRecord, TransactionalProcessor, Transform
 from reliable_kafka.transactions import processor as processor_module
@@ -223,3 +224,14 @@ def test_map_values_with_a_value_serializer_encodes_its_values() -> None:
     outputs, _ = _outputs(MapValues("out", lambda m: m.offset()), _inputs()[:2], value_serializer=encode)
 
     assert [(o[1], o[4]) for o in outputs] == [(b"<0>", b"id-a:0"), (b"<1>", b"in/0/1:0")]
+
+
+@pytest.mark.parametrize(("topic", "fn", "key"), [
+    ("", _upper, "MapValues.topic"),
+    (None, _upper, "MapValues.topic"),
+    ("out", b"not a function", "MapValues.fn"),
+])
+def test_a_map_values_without_a_topic_or_a_function_is_refused_when_made(topic: Any, fn: Any, key: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        MapValues(topic, fn)
+    assert refused.value.key == key
