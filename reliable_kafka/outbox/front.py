@@ -390,7 +390,7 @@ class Outbox:
                 if in_batches:
                     self._batches_done(in_batches, complete)
                 return
-            with self._file.transaction("mark_delivered") as conn:
+            with self._file.transaction("mark_delivered", lazy=True) as conn:
                 if complete:
                     self._book.delete(conn, complete)
                 for chunk in chunks(wanted):

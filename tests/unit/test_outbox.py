@@ -246,6 +246,51 @@ def test_rows_survive_close_and_reopen(path: Path, durability: str) -> None:
         assert (outbox.stats().pending, outbox.stats().failed) == (5, 1)
 
 
+def test_fsync_syncs_every_commit_but_the_removal_of_delivered_messages(path: Path) -> None:
+    """In "fsync" an append, a failure and a retry each commit with synchronous=FULL; removing delivered
+    messages commits with NORMAL (a power cut may bring them back, to be sent again: a duplicate, never a
+    loss), and FULL is back for the next transaction."""
+    def synchronous(conn: sqlite3.Connection) -> int:
+        return int(conn.execute("PRAGMA synchronous").fetchone()[0])
+
+    with Outbox(path, durability="fsync") as outbox:
+        conn = outbox._file.conn
+        seen: list[tuple[str, int]] = []
+        traced: list[str] = []
+        conn.set_trace_callback(traced.append)
+
+        def note(what: str) -> None:
+            # Each statement as it runs; the setting in force is read after each transaction.
+            seen.append((what, synchronous(conn)))
+
+        seqs = outbox.append(messages(6))
+        note("append")
+        outbox.mark_delivered(seqs[:3])
+        note("mark_delivered")
+        outbox.mark_failed(seqs[3], "refused")
+        note("mark_failed")
+        assert outbox.retry_failed() == 1
+        note("retry_failed")
+        conn.set_trace_callback(None)
+    assert [level for _, level in seen] == [2, 2, 2, 2], seen  # FULL between transactions
+    # The one transaction that ran relaxed: the removal, between its two pragmas.
+    relaxed = [i for i, sql in enumerate(traced) if sql == "PRAGMA synchronous=NORMAL"]
+    assert len(relaxed) == 1, traced
+    i = relaxed[0]
+    assert traced[i + 1] == "BEGIN IMMEDIATE"
+    assert any(sql.startswith("DELETE") for sql in traced[i + 2:traced.index("COMMIT", i)])
+    assert traced[traced.index("COMMIT", i) + 1] == "PRAGMA synchronous=FULL"
+
+
+def test_process_durability_never_switches_synchronous(path: Path) -> None:
+    with Outbox(path, durability="process", journal=False) as outbox:
+        traced: list[str] = []
+        outbox._file.conn.set_trace_callback(traced.append)
+        outbox.mark_delivered(outbox.append(messages(3)))
+        outbox._file.conn.set_trace_callback(None)
+    assert not [sql for sql in traced if "synchronous" in sql], traced
+
+
 @pytest.mark.parametrize("durability", ["process", "fsync"])
 def test_every_acknowledged_append_survives_sigkill(path: Path, durability: str) -> None:
     child = """
