@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,6 +61,12 @@ class GroupCommit:
     the few it settled could go on: each of those wake-ups is a GIL hand-over, and they made 16 threads
     no faster than one.
 
+    A caller that finds no commit in progress and nothing queued commits at once, unless the callers the
+    last commit settled are expected back: then it waits for them, at most as long as that commit took,
+    and commits with them (see _gather). Without that, from 16 threads in durability "fsync", the first
+    caller back after a commit committed alone while the others queued behind it: every other commit
+    carried one message, each an fsync.
+
     Async callers (`submit_async`) never wait here: their ticket carries a waker, called once per commit
     with all of that commit's tickets it owns. When no sync caller is leading, a writer thread (started
     on the first async submission, stopped by close()) leads for them.
@@ -79,6 +86,13 @@ class GroupCommit:
         # way no one else may start one (a sync ticket is only ever queued while this is true).
         self._leading = False
         self._successor: Ticket | None = None  # the queued sync ticket whose caller was made the next leader
+        # The sync callers the last commit settled that have not submitted again (any submission counts),
+        # how long after it a caller may wait for them, and whether one does (on `_gathered`).
+        self._expected = 0
+        self._gather_until = 0.0
+        self._gathering = False
+        self._gathered = threading.Condition(self._lock)
+        self._last_commit_s = 0.0
         self._writer: threading.Thread | None = None
         self._closed = False
 
@@ -94,22 +108,35 @@ class GroupCommit:
         if self._closed:
             lock.release()
             raise ProducerClosed("send after close(): create a new producer")
+        if self._expected:
+            self._expected -= 1
+            if not self._expected and self._gathering:
+                self._gathered.notify()
+        gather = False
         if not self._leading and not self._queue:
-            # Nobody is committing and nobody waits: commit alone, inline, without a ticket. This is the
-            # single-threaded send() path: no thread hand-off, no queue, two lock round trips.
-            self._leading = True
-            lock.release()
-            return self._commit_alone(row)
+            if not self._expected or time.monotonic() >= self._gather_until:
+                # Nobody is committing, nobody waits and nobody is expected: commit alone, inline, without
+                # a ticket. This is the single-threaded send() path: no thread hand-off, no queue, two
+                # lock round trips.
+                self._leading = True
+                lock.release()
+                return self._commit_alone(row)
+            gather = True
         ticket = Ticket(row)
         gate = ticket.gate = threading.Lock()
         gate.acquire()  # held until a commit settles the ticket or makes its caller the next leader
         self._queue.append(ticket)
         waiting = self._leading
         self._leading = True  # a no-op when waiting; otherwise only async tickets wait, and this caller leads
+        if gather:
+            self._successor = ticket  # so that _abandon() passes leadership on if it is interrupted
         lock.release()
         try:
             if waiting:
                 gate.acquire()
+            elif gather:
+                with lock:
+                    self._gather()
             while not ticket.done:
                 # (Leading.) The oldest queued tickets: its own among them unless more than max_batch were
                 # queued ahead of it; then it waits again, for its commit or for its turn to lead.
@@ -126,13 +153,34 @@ class GroupCommit:
             raise ticket.exc
         return ticket.seq, ticket.error
 
+    def _gather(self) -> None:
+        """(Lock held, leading, the caller's ticket queued.) Wait for the callers the last commit settled to
+        submit again (they queue behind this caller), or until as long as that commit took has passed since
+        it ended; then this caller commits them all at once.
+
+        Why bounded by the last commit's duration: waiting costs a lone caller at most one more commit's
+        time, and a caller whose thread does other work before it sends again is not waited for longer.
+        """
+        self._gathering = True
+        try:
+            while self._expected:
+                remaining = self._gather_until - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._gathered.wait(remaining)
+        finally:
+            self._gathering = False
+            self._expected = 0  # whoever comes later joins a later commit
+
     def _commit_alone(self, row: NewMessage) -> tuple[int, str | None]:
         """(Leading, nothing queued.) One message's commit on the caller's thread, without a ticket."""
         errors: dict[int, str] = {}
+        started = time.monotonic()
         try:
             seq = self._accept((row,), errors)[0]
         finally:
-            self._hand_on(())
+            self._last_commit_s = time.monotonic() - started
+            self._hand_on((), callers=1)
         return seq, errors.get(seq) if errors else None
 
     def _abandon(self, ticket: Ticket) -> None:
@@ -212,6 +260,7 @@ class GroupCommit:
 
     def _commit(self, batch: list[Ticket]) -> None:
         """One accept() for the batch: one outbox transaction, so every ticket shares its outcome."""
+        started = time.monotonic()
         try:
             errors: dict[int, str] = {}
             try:
@@ -225,6 +274,7 @@ class GroupCommit:
                     if errors:
                         t.error = errors.get(seq)
         finally:
+            self._last_commit_s = time.monotonic() - started
             self._hand_on(batch)
         wakers: dict[Waker, list[Ticket]] = {}
         for t in batch:
@@ -236,12 +286,20 @@ class GroupCommit:
             except Exception:  # a waker of a closed event loop: its callers are gone, the rest are not
                 log.exception("could not wake %d async sender(s) after their commit", len(tickets))
 
-    def _hand_on(self, batch: Sequence[Ticket]) -> None:
+    def _hand_on(self, batch: Sequence[Ticket], *, callers: int = 0) -> None:
         """Mark the batch done, wake its sync callers, and pass leadership on: to the owner of the oldest
-        queued ticket when it is a sync caller, else to the writer (async tickets), else to no one."""
+        queued ticket when it is a sync caller, else to the writer (async tickets), else to no one.
+
+        `callers`: sync callers the commit settled without a ticket (_commit_alone); they and the batch's
+        sync callers are expected back (_gather)."""
         with self._lock:
             for t in batch:
                 t.done = True
+                if t.gate is not None:
+                    callers += 1
+            if callers:
+                self._expected = callers
+                self._gather_until = time.monotonic() + self._last_commit_s
             queue = self._queue
             head = queue[0] if queue else None
             if head is not None and head.gate is not None:

@@ -184,6 +184,50 @@ def test_a_leader_that_committed_its_own_message_leaves_the_next_batch_to_its_ow
     assert accept.calls == [(["F"], "F"), (["A"], "A"), (["B"], "B")]
 
 
+def _commit_three_behind_a_held_one(group: GroupCommit, accept: FakeAccept, held_s: float) -> None:
+    """'first' commits alone while A, B and C queue; their commit (the second) lasts `held_s`; all return."""
+    hold = accept.holds[2] = threading.Event()
+    threading.Timer(held_s, hold.set).start()  # how long the commit of A, B and C takes
+    _queue_behind_a_held_commit(group, accept, ["A", "B", "C"])
+    assert [sorted(names) for names, _ in accept.calls] == [["first"], ["A", "B", "C"]]
+
+
+def test_the_first_caller_back_after_a_commit_waits_for_the_others_and_commits_with_them() -> None:
+    """The three callers a commit settled are expected back: the first submission after it (D) does not
+    commit alone but waits, and the next two (E, F) join its commit. From 16 threads in "fsync", the
+    first caller back had committed alone while the others queued: every other fsync carried one message."""
+    accept = FakeAccept()
+    group = GroupCommit(accept)
+    _commit_three_behind_a_held_one(group, accept, held_s=0.05)
+    # The window is as long as that commit took; made long here, so that no slow host closes it early.
+    group._gather_until = time.monotonic() + 60.0
+    threads = {name: threading.Thread(target=group.submit, args=(row(name),), name=name) for name in "DEF"}
+    threads["D"].start()
+    wait_for(lambda: group.queued == 1, "D to wait for company")
+    assert len(accept.calls) == 2, "D committed alone"
+    threads["E"].start()
+    wait_for(lambda: group.queued == 2, "E to queue behind D")
+    threads["F"].start()  # the third one back: D commits now
+    for th in threads.values():
+        th.join(10)
+    assert accept.calls[2:] == [(["D", "E", "F"], "D")]
+
+
+def test_a_caller_back_alone_waits_no_longer_than_the_last_commit_took() -> None:
+    """Callers that do not come back are not waited for: a lone caller after a 0.3 s commit of three is
+    committed alone once those 0.3 s have passed since that commit ended, and the next lone caller at once."""
+    accept = FakeAccept()
+    group = GroupCommit(accept)
+    _commit_three_behind_a_held_one(group, accept, held_s=0.3)
+    took = time.monotonic()
+    assert group.submit(row("D")) == (accept.seq_of["D"], None)
+    took = time.monotonic() - took
+    assert accept.calls[2:] == [(["D"], threading.current_thread().name)]
+    assert took < 0.3 + 5.0, f"D waited {took:.1f} s"  # bounded, with room for a slow host
+    assert group.submit(row("E")) == (accept.seq_of["E"], None)  # D settled itself: expected back, and is
+    assert accept.calls[3:] == [(["E"], threading.current_thread().name)]
+
+
 def test_a_combined_batch_is_bounded() -> None:
     accept = FakeAccept()
     group = GroupCommit(accept, max_batch=2)
