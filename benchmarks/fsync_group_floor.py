@@ -3,12 +3,11 @@ covers their message, with nothing else running (no Kafka, no brokers, no SQLite
 
     python benchmarks/fsync_group_floor.py [--out PATH] MESSAGES ROUNDS > out.txt
 
-Each sender queues a ticket and sleeps on a lock of its own; a caller that finds no commit in progress
-leads: it writes 512 bytes into a preallocated file and `fdatasync()`s it (the GIL released), then wakes
-the callers that commit covered and hands leadership to the oldest one still queued. This is the group
-commit's mechanism (reliable_kafka/producer/group_commit.py) stripped to its system calls, with and
-without its gather (the first caller back after a commit waits, at most as long as that commit took, for
-the others that commit returned to). Rows: 1 and 16 threads, with no sync (the wake-ups alone) and with
+Each thread calls `GroupCommit.submit()` in a loop, the group commit `send()` uses in "fsync"
+(reliable_kafka/producer/group_commit.py: leader/follower, each waiting caller asleep on a lock of its
+own, the first caller back after a commit waiting for the others), with an accept() that writes 512
+bytes into a preallocated file and `fdatasync()`s it (the GIL released) in place of the outbox's
+transaction and the produce() calls. Rows: 1 and 16 threads, with no sync (the wake-ups alone) and with
 one. ROUNDS interleaved rounds; each row's median msgs/s and the process's CPU a message (user, system).
 JSON to PATH (default benchmarks/results/journal/fsync-group-floor.json).
 
@@ -26,110 +25,50 @@ import sys
 import tempfile
 import threading
 import time
-from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from _cluster import out_path  # benchmarks/_cluster.py (scripts run from this directory)
 
+from reliable_kafka.producer.group_commit import GroupCommit
+from reliable_kafka.spool import NewMessage
+
 OUT = Path(__file__).resolve().parent / "results" / "journal" / "fsync-group-floor.json"
 RECORD = b"x" * 512
 
 
-class Ticket:
-    __slots__ = ("gate", "done")
+class SyncAccept:
+    """GroupCommit's accept(): each commit one 512-byte write into the file, and with `sync` its fdatasync()."""
 
-    def __init__(self) -> None:
-        self.gate = threading.Lock()
-        self.gate.acquire()  # released when a commit covered it or its caller is to lead
-        self.done = False
-
-
-class Floor:
-    """Leader/follower group commit over one file: `submit()` returns once a commit covered its call."""
-
-    def __init__(self, fd: int, sync: bool, gather: bool) -> None:
-        self._fd, self._sync, self._gather = fd, sync, gather
-        self._lock = threading.Lock()
-        self._gathered = threading.Condition(self._lock)
-        self._queue: deque[Ticket] = deque()
-        self._leading = False
-        self._expected = 0  # callers the last commit returned to, not yet back
-        self._until = 0.0  # how long after that commit a caller waits for them
-        self._last_s = 0.0
-        self._gathering = False
+    def __init__(self, fd: int, sync: bool) -> None:
+        self._fd, self._sync = fd, sync
+        self._seq = 0
         self.commits = 0
 
-    def _commit(self) -> None:
-        started = time.monotonic()
+    def __call__(self, rows: Sequence[NewMessage], errors: dict[int, str]) -> list[int]:
         os.pwrite(self._fd, RECORD, 0)
         if self._sync:
-            os.fdatasync(self._fd)
+            os.fdatasync(self._fd)  # releases the GIL, as SQLite's commit does
         self.commits += 1
-        self._last_s = time.monotonic() - started
-
-    def submit(self) -> None:
-        lock = self._lock
-        lock.acquire()
-        if self._expected:
-            self._expected -= 1
-            if not self._expected and self._gathering:
-                self._gathered.notify()
-        gather = False
-        if not self._leading and not self._queue:
-            if not (self._gather and self._expected and time.monotonic() < self._until):
-                self._leading = True
-                lock.release()
-                self._commit()
-                self._hand_on([], callers=1)
-                return
-            gather = True
-        ticket = Ticket()
-        self._queue.append(ticket)
-        waiting, self._leading = self._leading, True
-        if gather:
-            self._gathering = True
-            while self._expected and (left := self._until - time.monotonic()) > 0:
-                self._gathered.wait(left)
-            self._gathering, self._expected = False, 0
-        lock.release()
-        if waiting:
-            ticket.gate.acquire()
-        while not ticket.done:
-            with lock:
-                batch = list(self._queue)
-                self._queue.clear()
-            self._commit()
-            self._hand_on(batch)
-            if not ticket.done:
-                ticket.gate.acquire()
-
-    def _hand_on(self, batch: list[Ticket], callers: int = 0) -> None:
-        with self._lock:
-            for t in batch:
-                t.done = True
-            self._expected = callers + len(batch)
-            self._until = time.monotonic() + self._last_s
-            head = self._queue[0] if self._queue else None
-            if head is None:
-                self._leading = False
-        for t in batch:
-            t.gate.release()
-        if head is not None:
-            head.gate.release()  # its caller leads the next commit
+        first, self._seq = self._seq + 1, self._seq + len(rows)
+        return list(range(first, self._seq + 1))
 
 
-def run(n: int, threads: int, sync: bool, gather: bool) -> dict[str, Any]:
+def run(n: int, threads: int, sync: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
         fd = os.open(os.path.join(d, "floor.bin"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             os.posix_fallocate(fd, 0, 1 << 20)
-            floor = Floor(fd, sync, gather)
+            accept = SyncAccept(fd, sync)
+            group = GroupCommit(accept)
             share = n // threads
+            row = NewMessage("id", "topic", b"x" * 100)
 
             def body() -> None:
+                submit = group.submit
                 for _ in range(share):
-                    floor.submit()
+                    submit(row)
 
             senders = [threading.Thread(target=body) for _ in range(threads)]
             cpu, start = os.times(), time.perf_counter()
@@ -141,17 +80,16 @@ def run(n: int, threads: int, sync: bool, gather: bool) -> dict[str, Any]:
         finally:
             os.close(fd)
     sent = share * threads
-    return {"msgs_per_s": sent / took, "per_commit": sent / floor.commits,
+    return {"msgs_per_s": sent / took, "per_commit": sent / accept.commits,
             "user_us": (cpu_after.user - cpu.user) / sent * 1e6,
             "system_us": (cpu_after.system - cpu.system) / sent * 1e6}
 
 
-ROWS = {  # name: (threads, sync, gather)
-    "wake-ups-1": (1, False, False),
-    "wake-ups-16": (16, False, False),
-    "fdatasync-1": (1, True, False),
-    "fdatasync-16": (16, True, False),
-    "fdatasync-16-gather": (16, True, True),
+ROWS = {  # name: (threads, sync)
+    "wake-ups-1": (1, False),
+    "wake-ups-16": (16, False),
+    "fdatasync-1": (1, True),
+    "fdatasync-16": (16, True),
 }
 
 
@@ -160,8 +98,8 @@ def main() -> None:
     n, rounds = int(argv[0]), int(argv[1])
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
     for r in range(rounds):
-        for name, (threads, sync, gather) in ROWS.items():
-            got = run(n if sync else n * 5, threads, sync, gather)
+        for name, (threads, sync) in ROWS.items():
+            got = run(n if sync else n * 5, threads, sync)
             runs[name].append(got)
             print(f"round {r + 1} {name}: {got['msgs_per_s']:,.0f} msgs/s, {got['per_commit']:.1f} a commit, "
                   f"CPU {got['user_us']:.1f} + {got['system_us']:.1f} µs a message", flush=True)
