@@ -18,6 +18,7 @@ _ALIASES = {
     "max.in.flight": "max.in.flight.requests.per.connection",
     "message.send.max.retries": "retries",
     "delivery.timeout.ms": "message.timeout.ms",
+    "queue.buffering.max.ms": "linger.ms",
     "bootstrap.servers": "bootstrap.servers",
     "metadata.broker.list": "bootstrap.servers",
 }
@@ -182,11 +183,23 @@ TRANSACTIONAL_DEFAULTS: dict[str, Any] = {
 }
 
 
-def transactional_producer_config(user: Mapping[str, Any] | None, transactional_id: str) -> dict[str, Any]:
+_MAX_TRANSACTION_LINGER_MS = 1_000
+
+
+def transactional_producer_config(user: Mapping[str, Any] | None, transactional_id: str, *,
+                                  commit_interval_s: float | None = None) -> dict[str, Any]:
     """Safe settings for a transactional producer: producer_config() plus `transactional.id`.
 
     `message.timeout.ms` defaults to `transaction.timeout.ms`: a message must not outlive its own
     transaction (librdkafka refuses the larger value). A user value above it raises ConfigError.
+
+    `commit_interval_s`: how long the caller's transactions stay open; `linger.ms` then defaults to it.
+    A read_committed reader sees no record before its transaction commits, and commit_transaction()
+    sends whatever still lingers, so lingering that long delays nothing a reader can see. What it saves:
+    at 5 ms an idempotent producer's batches are ready while the partition's one request is still out,
+    and its broker threads spin on them (wake-ups with nothing to send); the exactly-once processor
+    copying 5M records spent 0.3-0.6 us less CPU a record with its 100 ms (5.33-5.46 -> 4.89-5.12 us,
+    the same rounds; CHANGELOG, "Exactly-once: a transaction's records linger until its commit").
     """
     if not str(transactional_id or "").strip():
         raise ConfigError("transactional.id", "is required: a stable name per processor instance")
@@ -199,6 +212,11 @@ def transactional_producer_config(user: Mapping[str, Any] | None, transactional_
     cfg["transactional.id"] = transactional_id
     txn_timeout = _as_int("transaction.timeout.ms", cfg["transaction.timeout.ms"])
     cfg.setdefault("message.timeout.ms", txn_timeout)
+    if commit_interval_s is not None and "linger.ms" not in cfg:
+        # At most a second (by then a batch is full at any rate where this matters) and half of
+        # message.timeout.ms (librdkafka refuses a linger.ms that is not below it).
+        cap = min(_MAX_TRANSACTION_LINGER_MS, _as_int("message.timeout.ms", cfg["message.timeout.ms"]) // 2)
+        cfg["linger.ms"] = max(PRODUCER_DEFAULTS["linger.ms"], min(cap, round(commit_interval_s * 1000)))
     cfg = producer_config(cfg, transactional=True)
     if _as_int("message.timeout.ms", cfg["message.timeout.ms"]) > txn_timeout:
         raise ConfigError(

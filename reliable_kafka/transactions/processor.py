@@ -152,7 +152,8 @@ class TransactionalProcessor:
             raise ConfigError("stop_timeout_s", f"must be > 0, got {stop_timeout_s!r}")
         common = {k: v for k, v in config.items() if k != "group.id"}
         self._consumer_conf = consumer_config({**common, "group.id": group, **dict(consumer_overrides or {})})
-        producer_conf = transactional_producer_config({**common, **dict(producer_overrides or {})}, transactional_id)
+        producer_conf = transactional_producer_config({**common, **dict(producer_overrides or {})}, transactional_id,
+                                                      commit_interval_s=max_batch_interval_s)
         self._consumer_conf.setdefault("logger", _rdkafka_log)
         producer_conf.setdefault("logger", _rdkafka_log)
         reset = str(self._consumer_conf["auto.offset.reset"]).lower()

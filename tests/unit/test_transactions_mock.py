@@ -306,6 +306,26 @@ def test_next_step(operation: str, error: KafkaException, step: TxnStep) -> None
     assert next_step(operation, error) is step
 
 
+def test_a_transactions_records_linger_as_long_as_it_stays_open_unless_the_user_says_otherwise() -> None:
+    """A read_committed reader sees nothing before the commit, which sends what lingers: linger.ms takes
+    the commit interval (at least the producer default, at most a second) unless the user set it, under
+    either of its names."""
+    conn = {"bootstrap.servers": "b:9092"}
+    assert transactional_producer_config(conn, "tx")["linger.ms"] == 5  # without an interval: the default
+    assert transactional_producer_config(conn, "tx", commit_interval_s=0.1)["linger.ms"] == 100
+    assert transactional_producer_config(conn, "tx", commit_interval_s=0.001)["linger.ms"] == 5
+    assert transactional_producer_config(conn, "tx", commit_interval_s=30)["linger.ms"] == 1_000
+    short = {**conn, "transaction.timeout.ms": 1_000}  # librdkafka wants linger.ms below message.timeout.ms
+    assert transactional_producer_config(short, "tx", commit_interval_s=0.8)["linger.ms"] == 500
+    assert transactional_producer_config({**conn, "linger.ms": 7}, "tx", commit_interval_s=0.1)["linger.ms"] == 7
+    aliased = transactional_producer_config({**conn, "queue.buffering.max.ms": 9}, "tx", commit_interval_s=0.1)
+    assert aliased["linger.ms"] == 9 and "queue.buffering.max.ms" not in aliased
+    # The processor's: its own batch interval (the client is made later, from this config).
+    processor = TransactionalProcessor({**conn, "group.id": "g"}, input_topics=["t"], transform=lambda m: [],
+                                       transactional_id="tx", max_batch_interval_s=0.25)
+    assert processor._checkpoint.client._config["linger.ms"] == 250
+
+
 def test_transactional_config_is_checked_in_the_one_place() -> None:
     cfg = transactional_producer_config({"bootstrap.servers": "b:9092"}, "tx-1")
     assert cfg["transactional.id"] == "tx-1" and cfg["acks"] == "all" and cfg["enable.idempotence"] is True
