@@ -118,6 +118,9 @@ def main() -> int:
     ap.add_argument("--demo-requests", type=int, default=0, help="publish this many requests first")
     ap.add_argument("--idle-exit", type=float, default=None,
                     help="stop after this many seconds without a commit (default: run until SIGTERM)")
+    ap.add_argument("--linger-ms", type=float, default=None,
+                    help="how long booked entries wait in the producer before they are sent (default: until "
+                         "their transaction commits; no reader sees them earlier)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -138,6 +141,7 @@ def main() -> int:
         # waiting for the group to notice (session.timeout.ms) that the crashed one is gone.
         consumer_overrides={"group.instance.id": f"{args.group}-{args.instance}"},
         max_batch_interval_s=0.2,
+        producer_overrides={} if args.linger_ms is None else {"linger.ms": args.linger_ms},
         # A transient failure is retried (the transaction stays open meanwhile); an invalid request is
         # dead-lettered at once.
         retry=RetryPolicy(attempts=3, initial_backoff_s=0.1, max_backoff_s=1.0, give_up_on=(InvalidPayment,)),
