@@ -8,7 +8,8 @@ Each thread calls `GroupCommit.submit()` in a loop, the group commit `send()` us
 own, the first caller back after a commit waiting for the others), with an accept() that writes 512
 bytes into a preallocated file and `fdatasync()`s it (the GIL released) in place of the outbox's
 transaction and the produce() calls. Rows: 1 and 16 threads, with no sync (the wake-ups alone) and with
-one. ROUNDS interleaved rounds; each row's median msgs/s and the process's CPU a message (user, system).
+one; and 16 threads split among 2 and 4 files, each file with a group commit of its own (an outbox
+sharded by thread: do syncs of separate files overlap?). ROUNDS interleaved rounds; each row's median msgs/s and the process's CPU a message (user, system).
 JSON to PATH (default benchmarks/results/journal/fsync-group-floor.json).
 
 What it is for: from threads that each block until their own message is durable, throughput is at most
@@ -55,22 +56,26 @@ class SyncAccept:
         return list(range(first, self._seq + 1))
 
 
-def run(n: int, threads: int, sync: bool) -> dict[str, Any]:
+def run(n: int, threads: int, sync: bool, files: int = 1) -> dict[str, Any]:
+    """`files` > 1: as many files, each with a GroupCommit of its own, the threads split evenly among them
+    (what an outbox sharded by sending thread would do)."""
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as d:
-        fd = os.open(os.path.join(d, "floor.bin"), os.O_RDWR | os.O_CREAT, 0o644)
+        fds = [os.open(os.path.join(d, f"floor-{i}.bin"), os.O_RDWR | os.O_CREAT, 0o644) for i in range(files)]
         try:
-            os.posix_fallocate(fd, 0, 1 << 20)
-            accept = SyncAccept(fd, sync)
-            group = GroupCommit(accept)
+            accepts = []
+            for fd in fds:
+                os.posix_fallocate(fd, 0, 1 << 20)
+                accepts.append(SyncAccept(fd, sync))
+            groups = [GroupCommit(accept) for accept in accepts]
             share = n // threads
             row = NewMessage("id", "topic", b"x" * 100)
 
-            def body() -> None:
+            def body(group: GroupCommit) -> None:
                 submit = group.submit
                 for _ in range(share):
                     submit(row)
 
-            senders = [threading.Thread(target=body) for _ in range(threads)]
+            senders = [threading.Thread(target=body, args=(groups[i % files],)) for i in range(threads)]
             cpu, start = os.times(), time.perf_counter()
             for t in senders:
                 t.start()
@@ -78,18 +83,22 @@ def run(n: int, threads: int, sync: bool) -> dict[str, Any]:
                 t.join()
             took, cpu_after = time.perf_counter() - start, os.times()
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
     sent = share * threads
-    return {"msgs_per_s": sent / took, "per_commit": sent / accept.commits,
+    return {"msgs_per_s": sent / took, "per_commit": sent / sum(a.commits for a in accepts),
             "user_us": (cpu_after.user - cpu.user) / sent * 1e6,
             "system_us": (cpu_after.system - cpu.system) / sent * 1e6}
 
 
-ROWS = {  # name: (threads, sync)
-    "wake-ups-1": (1, False),
-    "wake-ups-16": (16, False),
-    "fdatasync-1": (1, True),
-    "fdatasync-16": (16, True),
+ROWS = {  # name: (threads, sync, files)
+    "wake-ups-1": (1, False, 1),
+    "wake-ups-16": (16, False, 1),
+    "fdatasync-1": (1, True, 1),
+    "fdatasync-16": (16, True, 1),
+    # Syncs of different files run side by side: does the disk take two (four) at once in the time of one?
+    "fdatasync-16-2-files": (16, True, 2),
+    "fdatasync-16-4-files": (16, True, 4),
 }
 
 
@@ -98,8 +107,8 @@ def main() -> None:
     n, rounds = int(argv[0]), int(argv[1])
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ROWS}
     for r in range(rounds):
-        for name, (threads, sync) in ROWS.items():
-            got = run(n if sync else n * 5, threads, sync)
+        for name, (threads, sync, files) in ROWS.items():
+            got = run(n if sync else n * 5, threads, sync, files)
             runs[name].append(got)
             print(f"round {r + 1} {name}: {got['msgs_per_s']:,.0f} msgs/s, {got['per_commit']:.1f} a commit, "
                   f"CPU {got['user_us']:.1f} + {got['system_us']:.1f} µs a message", flush=True)
