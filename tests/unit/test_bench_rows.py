@@ -3,9 +3,11 @@ run kept, and a run too short to mean much said so."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
-from reliable_kafka.bench.common import SHORT_RUN_S, BenchRow, rows_against, run_facts
+from reliable_kafka.bench.common import SHORT_RUN_S, BenchRow, peak_rss_mb, rows_against, run_facts
 
 
 def _runs(*rates: float) -> list[dict[str, float]]:
@@ -204,3 +206,18 @@ def test_producer_rows_meet_their_targets_against_the_hand_written_safe_producer
     assert {k: target_of(r) for k, r in by.items() if target_of(r) is not None} == {
         ("memory", "raw_safe"): 0.95, ("process", "raw_safe"): 0.8, ("fsync", "raw_safe"): 0.6}
     assert ("raw_safe", "raw") not in by
+
+
+def test_a_measured_childs_peak_memory_is_its_own_not_its_parents() -> None:
+    """Linux carries a parent's ru_maxrss over exec(): bench eos's children reported the ~560 MB of the
+    process that had seeded the input. peak_rss_mb() reads the child's own high-water mark."""
+    ballast = b"x" * (400 << 20)  # written, so resident: the parent's peak is at least 400 MB
+    try:
+        parent = peak_rss_mb()
+        out = subprocess.run([sys.executable, "-c", "from reliable_kafka.bench.common import peak_rss_mb; "
+                              "print(peak_rss_mb())"], capture_output=True, text=True, check=True, timeout=60)
+    finally:
+        del ballast
+    child = float(out.stdout)
+    assert parent >= 400, parent
+    assert 0 < child < 200, f"the child reported {child:.0f} MB, its parent {parent:.0f} MB"
