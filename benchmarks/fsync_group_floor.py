@@ -9,8 +9,9 @@ own, the first caller back after a commit waiting for the others), with an accep
 bytes into a preallocated file and `fdatasync()`s it (the GIL released) in place of the outbox's
 transaction and the produce() calls. Rows: 1 and 16 threads, with no sync (the wake-ups alone) and with
 one; and 16 threads split among 2 and 4 files, each file with a group commit of its own (an outbox
-sharded by thread: do syncs of separate files overlap?). ROUNDS interleaved rounds; each row's median msgs/s and the process's CPU a message (user, system).
-JSON to PATH (default benchmarks/results/journal/fsync-group-floor.json).
+sharded by thread: do syncs of separate files overlap?). ROUNDS interleaved rounds; each row's median
+msgs/s and the process's CPU a message (user, system). JSON to PATH (default
+benchmarks/results/journal/fsync-group-floor.json).
 
 What it is for: from threads that each block until their own message is durable, throughput is at most
 the threads in flight over the time a commit cycle takes (Little's law); this measures that bound on the
