@@ -10,8 +10,8 @@ the commit then sends the whole transaction, and while a commit is in flight the
 at most `max_batch_messages` and then waits. Each processor copy reports, besides its rate (as `bench
 eos` clocks it), the share of its wall time the loop spent waiting for a commit, the mean time of a
 commit and of its two calls (send_offsets_to_transaction, then commit_transaction), and the records a
-commit carried. Each copy in a process of its own, one unmeasured copy of
-up to 200,000 records each first. Written to PATH (default benchmarks/results/eos/commit-probe.json).
+commit carried. Each copy in a process of its own, one unmeasured copy of up to 200,000 records each
+first. Written to PATH (default benchmarks/results/eos/commit-probe.json).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import json
 import statistics
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +27,12 @@ from _cluster import eos_copies, out_path, seeded_eos_cluster  # benchmarks/_clu
 
 from reliable_kafka.bench import eos
 from reliable_kafka.bench.common import peak_rss_mb, run_child
-from reliable_kafka.lab.eos_copier_bounce import copy_transform
 from reliable_kafka.testing.child_connection import connection_from_env
-from reliable_kafka.transactions import CommitInfo, TransactionalProcessor
 from reliable_kafka.transactions import checkpoint as checkpoint_module
 
 OUT = Path(__file__).resolve().parent / "results" / "eos" / "commit-probe.json"
 # variant: (linger.ms, max_batch_messages); None: the processor's default
-LINGERS: dict[str, tuple[int | None, int | None]] = {
+VARIANTS: dict[str, tuple[int | None, int | None]] = {
     "processor-batch-20k": (None, 20_000),
     "processor-batch-50k": (None, 50_000),
     "processor-batch-100k": (None, 100_000),
@@ -43,10 +40,13 @@ LINGERS: dict[str, tuple[int | None, int | None]] = {
 
 
 def child(source: str, output: str, n: int, linger_ms: int | None, max_batch: int | None) -> None:
+    """One processor copy (bench eos's copy and clock, eos.copy_rate) with its waits and commits timed."""
     waited = [0.0]
     commits: list[float] = []
     calls: dict[str, float] = {}
     call = checkpoint_module.call
+    result_unless_hung = checkpoint_module.Checkpoint._result_unless_hung
+    end_transaction = checkpoint_module.Checkpoint._end_transaction
 
     def timed_call(operation: str, *args: Any, **kwargs: Any) -> Any:
         started = time.perf_counter()
@@ -54,10 +54,6 @@ def child(source: str, output: str, n: int, linger_ms: int | None, max_batch: in
             return call(operation, *args, **kwargs)
         finally:
             calls[operation] = calls.get(operation, 0.0) + time.perf_counter() - started
-
-    checkpoint_module.call = timed_call  # type: ignore[assignment]
-    result_unless_hung = checkpoint_module.Checkpoint._result_unless_hung
-    end_transaction = checkpoint_module.Checkpoint._end_transaction
 
     def timed_wait(self: Any, future: Any) -> Any:
         started = time.perf_counter()
@@ -73,32 +69,20 @@ def child(source: str, output: str, n: int, linger_ms: int | None, max_batch: in
         finally:
             commits.append(time.perf_counter() - started)
 
+    checkpoint_module.call = timed_call  # type: ignore[assignment]
     checkpoint_module.Checkpoint._result_unless_hung = timed_wait  # type: ignore[method-assign]
     checkpoint_module.Checkpoint._end_transaction = timed_commit  # type: ignore[method-assign]
-    connection = connection_from_env()
-    group = f"bench-eos-commit-{uuid.uuid4().hex[:6]}"
-    marks: list[tuple[float, int]] = []
-
-    def on_commit(info: CommitInfo) -> None:
-        total = (marks[-1][1] if marks else 0) + info.messages
-        marks.append((time.perf_counter(), total))
-        if total >= n:
-            processor.stop()
-
-    processor = TransactionalProcessor(
-        {**connection, "group.id": group}, input_topics=[source], transform=copy_transform(output),
-        transactional_id=f"{group}-0", max_batch_interval_s=0.1, on_commit=on_commit,
-        producer_overrides={} if linger_ms is None else {"linger.ms": linger_ms},
-        **({} if max_batch is None else {"max_batch_messages": max_batch}),
-    )
+    options: dict[str, Any] = {}
+    if linger_ms is not None:
+        options["producer_overrides"] = {"linger.ms": linger_ms}
+    if max_batch is not None:
+        options["max_batch_messages"] = max_batch
     started = time.perf_counter()
-    with processor:
-        processor.run()
+    rate = eos.copy_rate(eos.VARIANT, connection_from_env(), source, output, n, options)
     wall = time.perf_counter() - started
-    (first_at, first_total), (last_at, last_total) = marks[0], marks[-1]
-    print(json.dumps({"msgs_per_s": (last_total - first_total) / (last_at - first_at),
-                      "loop_waiting": waited[0] / wall, "commit_ms": statistics.mean(commits) * 1000,
-                      "records_per_commit": last_total / len(marks), "peak_rss_mb": peak_rss_mb(),
+    print(json.dumps({"msgs_per_s": rate, "loop_waiting": waited[0] / wall,
+                      "commit_ms": statistics.mean(commits) * 1000, "records_per_commit": n / len(commits),
+                      "peak_rss_mb": peak_rss_mb(),
                       "call_ms": {op: took / len(commits) * 1000 for op, took in calls.items()}}))
 
 
@@ -110,12 +94,12 @@ def main() -> None:
         return
     path, argv = out_path(argv, OUT)
     n, rounds = int(argv[0]), int(argv[1])
-    runs: dict[str, list[dict[str, Any]]] = {eos.BASELINE: [], **{v: [] for v in LINGERS}}
+    runs: dict[str, list[dict[str, Any]]] = {eos.BASELINE: [], **{v: [] for v in VARIANTS}}
     with seeded_eos_cluster("eos-commit", n) as (conn, create, source):
         for measured, variant, output, copy in eos_copies(create, "eos-commit", runs, n, rounds):
-            if variant in LINGERS:
+            if variant in VARIANTS:
                 argv_child = [sys.executable, __file__, "--child", source, output, str(copy),
-                              *("default" if a is None else str(a) for a in LINGERS[variant])]
+                              *("default" if a is None else str(a) for a in VARIANTS[variant])]
                 result = run_child(argv_child, conn, variant)
             else:
                 result = eos._in_own_process(variant, conn, source, output, copy)
@@ -127,14 +111,14 @@ def main() -> None:
         rates = [r["msgs_per_s"] for r in results]
         ratios = ", ".join(f"{rate / b:.2f}" for rate, b in zip(rates, base, strict=True))
         extra = ""
-        if variant in LINGERS:
+        if variant in VARIANTS:
             waits = ", ".join(f"{r['loop_waiting']:.0%}" for r in results)
             commits = ", ".join(f"{r['commit_ms']:.0f}" for r in results)
             per_commit = statistics.median(r["records_per_commit"] for r in results)
             extra = f"; loop waiting {waits}; commit {commits} ms; {per_commit:,.0f} records a commit"
         print(f"{variant}: median {statistics.median(rates):,.0f} records/s, ratio per round {ratios}{extra}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"messages": n, "rounds": rounds, "lingers": LINGERS, "runs": runs}, indent=1))
+    path.write_text(json.dumps({"messages": n, "rounds": rounds, "variants": VARIANTS, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

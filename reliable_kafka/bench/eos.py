@@ -92,8 +92,12 @@ def _in_own_process(variant: str, connection: Connection, source: str, output: s
     return run_child(argv, connection, f"eos benchmark {variant}")
 
 
-def copy_rate(variant: str, connection: Connection, source: str, output: str, messages: int) -> float:
-    """Copy `messages` records with one variant; records per second between its first and last commit."""
+def copy_rate(variant: str, connection: Connection, source: str, output: str, messages: int,
+              processor_options: dict[str, Any] | None = None) -> float:
+    """Copy `messages` records with one variant; records per second between its first and last commit.
+
+    `processor_options`: more TransactionalProcessor arguments for the processor variants (the probes in
+    benchmarks/ vary its settings with the same copy and the same clock)."""
     group = f"bench-eos-{variant}-{uuid.uuid4().hex[:6]}"
     marks: list[tuple[float, int]] = []
     copier: AtLeastOnceCopier | TransactionalProcessor
@@ -114,6 +118,7 @@ def copy_rate(variant: str, connection: Connection, source: str, output: str, me
             {**connection, "group.id": group}, input_topics=[source],
             transform=copy_transform(output) if variant == VARIANT else MapValues(output, Message.value),
             transactional_id=f"{group}-0", max_batch_interval_s=0.1, on_commit=on_commit,
+            **(processor_options or {}),
         )
         with copier:
             copier.run()

@@ -68,8 +68,8 @@ class TransactionalProcessor:
     through. Why the bound is that high: a commit's fixed cost (its offsets, its end marker) is paid
     per transaction, and while the backlog is full the loop waits; copying 5M records, 100,000 against
     20,000 cut the loop's waiting from ~33 % to 9 % of its time (benchmarks/eos_commit_probe.py). It
-    only binds at high rates: a transaction of slower input closes on the interval. Outputs carry a deterministic
-    `rk-id`. A record whose transform keeps failing (per `retry`) is written to its dead-letter
+    only binds at high rates: a transaction of slower input closes on the interval. Outputs carry a
+    deterministic `rk-id`. A record whose transform keeps failing (per `retry`) is written to its dead-letter
     topic (`dead_letter`, default "<topic>.dlq", which must exist) inside the same transaction, and
     processing goes on.
 
