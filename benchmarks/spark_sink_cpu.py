@@ -13,7 +13,13 @@ sink's Java producer runs in it) and of the three brokers, for the same rows wri
   by side write the same partition at about the same time, as the Java client's sticky partitioner has
   them do (what the placement costs the brokers in batches).
 
-    python benchmarks/spark_sink_cpu.py [ROWS] [ROUNDS] > out.json
+    python benchmarks/spark_sink_cpu.py [ROWS] [ROUNDS] [COMPRESSION] [VALUES] > out.json
+
+COMPRESSION (default none) is every write's `kafka.compression.type`: with a codec the brokers validate a
+batch by skipping each record's key, value and headers instead of reading them. VALUES is `padded`
+(default: the row number left-padded with 'x' to 100 bytes, which a codec shrinks to almost nothing) or
+`random` (bytes of SHA-512 digests of the row number, which no codec shrinks; the digests cost every
+variant the same Spark CPU a row).
 
 Each variant writes to a fresh 4-partition topic with the bench's batching (linger.ms=20,
 batch.size=1000000); one unmeasured run of each, then ROUNDS interleaved rounds, the order reversed every
@@ -45,7 +51,7 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS
 
 
-def main(rows: int, rounds: int) -> dict[str, Any]:
+def main(rows: int, rounds: int, compression: str = "none", kind: str = "padded") -> dict[str, Any]:
     with bench_cluster() as (cluster, conn, create_topic):
         from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 
@@ -59,6 +65,10 @@ def main(rows: int, rounds: int) -> dict[str, Any]:
         brokers = [n.proc.pid for n in cluster.nodes.values() if n.proc is not None]
 
         def values(size: int) -> Any:
+            if kind == "random":
+                digests = "concat(unhex(sha2(cast(id as string), 512)), unhex(sha2(cast(-id - 1 as string), 512)), " \
+                          "unhex(sha2(cast(id + 1000000000000 as string), 512)))"
+                return spark.range(0, rows, 1, 4).select(F.expr(f"substring({digests}, 1, {size})").alias("value"))
             return spark.range(0, rows, 1, 4).select(
                 F.expr(f"cast(lpad(cast(id as string), {size}, 'x') as binary)").alias("value"))
 
@@ -87,7 +97,8 @@ def main(rows: int, rounds: int) -> dict[str, Any]:
             spark_cpu, broker_cpu = _cpu_s(jvm_pid), sum(map(_cpu_s, brokers))
             start = time.perf_counter()
             (frames[variant].write.format("kafka").options(**java).option("kafka.linger.ms", "20")
-             .option("kafka.batch.size", "1000000").option("topic", topic).mode("append").save())
+             .option("kafka.batch.size", "1000000").option("kafka.compression.type", compression)
+             .option("topic", topic).mode("append").save())
             seconds = time.perf_counter() - start
             return {"rows_per_s": round(rows / seconds),
                     "spark_jvm_cpu_us_per_row": round((_cpu_s(jvm_pid) - spark_cpu) / rows * 1e6, 3),
@@ -106,7 +117,7 @@ def main(rows: int, rounds: int) -> dict[str, Any]:
         return statistics.median(x[key] for x in runs[variant])
 
     return {
-        "rows": rows, "rounds": rounds, "sticky_rows": STICKY_ROWS,
+        "rows": rows, "rounds": rounds, "sticky_rows": STICKY_ROWS, "compression": compression, "values": kind,
         "variants": {
             v: {"rows_per_s": median(v, "rows_per_s"),
                 "min": min(x["rows_per_s"] for x in r), "max": max(x["rows_per_s"] for x in r),
@@ -122,4 +133,4 @@ def main(rows: int, rounds: int) -> dict[str, Any]:
 
 if __name__ == "__main__":
     args = [int(a) for a in sys.argv[1:3]]
-    print(json.dumps(main(*(args + [3_000_000, 4][len(args):])), indent=1))
+    print(json.dumps(main(*(args + [3_000_000, 4][len(args):]), *sys.argv[3:5]), indent=1))
