@@ -17,7 +17,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from reliable_kafka.testing.child_connection import Connection, child_env
 
@@ -204,6 +204,21 @@ def run_child(argv: Sequence[str], connection: Connection, what: str, timeout: f
     return result
 
 
+_V = TypeVar("_V")
+
+
+def round_order(variants: Sequence[_V], round_no: int) -> list[_V]:
+    """The order the variants run in round `round_no` (0-based): as given in even rounds, reversed in odd
+    ones (A B C, C B A, A B C, ...).
+
+    Why: in a fixed order each variant always follows the same neighbour and holds the same place in the
+    round, so whatever the one before leaves the brokers (replication and log flushes still running, a
+    warmer page cache) lands on the same variant every round. Alternating gives each variant the first and
+    the last place alike over pairs of rounds; the per-round ratios still compare runs of the same round.
+    """
+    return list(variants) if round_no % 2 == 0 else list(variants)[::-1]
+
+
 def rows_against(name: str, baseline: str, runs: dict[str, list[dict[str, Any]]], messages: int) -> list[BenchRow]:
     """Rows from {variant: [run, ...]} (each run {"msgs_per_s", "peak_rss_mb"}, round i of every variant
     measured back to back): each variant's median, its spread, and the median of its per-round ratios."""
@@ -248,6 +263,7 @@ def run_facts(*, messages: int, repeat: int, nodes: int, load_before: tuple[floa
     return {
         "messages": messages,
         "rounds": repeat,
+        "round_order": "the listed order in rounds 1, 3, 5, ..., reversed in rounds 2, 4, ...",
         "cluster_nodes": nodes,
         "host": {"cores": os.cpu_count(), "load_before": [round(x, 2) for x in load_before],
                  "load_after": [round(x, 2) for x in os.getloadavg()]},

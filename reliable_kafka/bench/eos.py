@@ -23,7 +23,7 @@ from typing import Any
 from confluent_kafka import Message
 
 from reliable_kafka.admin import admin_client
-from reliable_kafka.bench.common import peak_rss_mb, rows_against, run_child
+from reliable_kafka.bench.common import peak_rss_mb, round_order, rows_against, run_child
 from reliable_kafka.bench.worker import produce_raw
 from reliable_kafka.lab.eos_copier_bounce import AtLeastOnceCopier, copy_transform
 from reliable_kafka.testing.child_connection import Connection, connection_from_env
@@ -66,8 +66,9 @@ def run_eos_bench(
         create_topic(output, PARTITIONS)
         _in_own_process(variant, connection, source, output, min(messages, WARM_UP_RECORDS))
     drop = _topic_dropper(connection)
-    for _ in range(repeat):
-        for variant, results in runs.items():
+    for round_no in range(repeat):
+        for variant in round_order(list(runs), round_no):
+            results = runs[variant]
             output = f"bench-eos-{variant}-{uuid.uuid4().hex[:6]}"
             create_topic(output, PARTITIONS)
             results.append(_in_own_process(variant, connection, source, output, messages))

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from reliable_kafka.bench.common import Connection, rows_against, sampled_peak_rss_mb
+from reliable_kafka.bench.common import Connection, round_order, rows_against, sampled_peak_rss_mb
 from reliable_kafka.spark.java_options import java_kafka_options
 from reliable_kafka.spark.options import _SPARK_PRODUCER_DEFAULTS
 
@@ -104,7 +104,8 @@ def run_spark_bench(
 
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
         for round_no in range(rounds):
-            for name, write in variants.items():
+            for name in round_order(list(variants), round_no):
+                write = variants[name]
                 topic = fresh_topic()
                 with sampled_peak_rss_mb() as peak:
                     started = time.perf_counter()

@@ -3,7 +3,7 @@
 One input topic is filled once (unique 100-byte values); then every round runs each variant as a streaming
 query from the input's earliest offsets to a fresh output topic, with a fresh checkpoint, the same
 maxOffsetsPerTrigger and trigger(availableNow=True), timed from start() until the query terminates.
-Rounds are interleaved (A B C, A B C) so load drift on the host hits every variant, and every run's
+Rounds are interleaved (A B C, C B A) so load drift on the host hits every variant, and every run's
 output is counted afterwards: a run that lost or duplicated rows fails the benchmark instead of
 becoming a figure.
 """
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from reliable_kafka.bench.common import Connection, rows_against, sampled_peak_rss_mb
+from reliable_kafka.bench.common import Connection, round_order, rows_against, sampled_peak_rss_mb
 from reliable_kafka.bench.spark import OUR_WRITER_BATCHING, TOPIC_PARTITIONS, VALUE_BYTES, reliable_kafka_login
 from reliable_kafka.spark.java_options import java_kafka_options
 
@@ -239,7 +239,7 @@ def run_spark_stream_bench(
 
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
         for round_no in range(rounds):
-            for name in variants:
+            for name in round_order(list(variants), round_no):
                 result = run(name, source, rows)
                 log.info("bench %s round %d: %s %.0f records/s (%.1f s, %d micro-batches, addBatch %.1f s)",
                          NAME, round_no + 1, name, result["msgs_per_s"], result["seconds"],

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Any
 
 from reliable_kafka.bench import calls
-from reliable_kafka.bench.common import BenchRow, Connection, loop_stalls, rows_against, run_variant
+from reliable_kafka.bench.common import BenchRow, Connection, loop_stalls, round_order, rows_against, run_variant
 
 CreateTopic = Callable[[str, int], None]
 Progress = Callable[[str], None]
@@ -35,14 +35,14 @@ def _args(topic: str, n: int, *extra: str) -> list[str]:
 
 def _interleaved(bench: str, variants: tuple[str, ...], args: Callable[[], list[str]], connection: Connection,
                  repeat: int, progress: Progress) -> dict[str, list[dict[str, Any]]]:
-    """Every variant's `repeat` runs, the variants taking turns (A B C, A B C, ...).
+    """Every variant's `repeat` runs, the variants taking turns (A B C, C B A, ...: common.round_order).
 
     Taking turns, rather than A A B B, spreads a slow or fast minute of the brokers over every variant
     instead of handing it to one of them.
     """
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for round_ in range(repeat):
-        for variant in variants:
+        for variant in round_order(variants, round_):
             progress(f"{bench}/{variant}" + (f" ({round_ + 1}/{repeat})" if repeat > 1 else ""))
             runs[variant].append(run_variant(bench, variant, args(), connection))
     return runs
@@ -81,12 +81,13 @@ def producer_calls_bench(connection: Connection, create_topic: CreateTopic, mess
     return calls.rows(results, messages)
 
 
-# The producer bench's variants in round order. raw: the bare loop (no header, one shared callback), the
-# baseline of earlier releases; raw_safe: the same loop with what a careful user adds per message (an rk-id
-# header, a callback of its own) and our producer settings, the like-for-like baseline of the targets.
+# The producer bench's variants in the order of its odd rounds (even rounds reverse it: common.round_order).
+# raw: the bare loop (no header, one shared callback), the baseline of earlier releases; raw_safe: the same
+# loop with what a careful user adds per message (an rk-id header, a callback of its own) and our producer
+# settings, the like-for-like baseline of the targets.
 PRODUCERS = ("raw", "raw_safe", "memory", "process", "fsync")
 
-# The consumer bench's variants in round order, each group measured against its first.
+# The consumer bench's variants in the order of its odd rounds, each group measured against its first.
 SYNC_CONSUMERS = ("raw", "reliable_consumer", "raw_librdkafka_defaults")
 AIO_CONSUMERS = ("aio_raw", "aio_reliable")
 
@@ -110,9 +111,10 @@ def consumer_bench(connection: Connection, create_topic: CreateTopic, messages: 
 
 
 # The dedup bench's stores, each measured against the idempotent consumer a user writes by hand on the same
-# store (bench/worker.py: handwritten_*), and in round order: `none` (ReliableConsumer without dedup, the
-# baseline of the earlier rows, kept for continuity), then each hand-written baseline right before the store
-# it judges, so the two runs of a pair are back to back in every round.
+# store (bench/worker.py: handwritten_*), and in the order of its odd rounds: `none` (ReliableConsumer without
+# dedup, the baseline of the earlier rows, kept for continuity), then each hand-written baseline right before
+# the store it judges (right after it in even rounds, which reverse the order), so the two runs of a pair are
+# back to back in every round.
 DEDUP_BASELINES = {"sqlite": "handwritten_sqlite", "redis": "handwritten_redis"}
 DEDUP_VARIANTS = ("none", *(v for store, baseline in DEDUP_BASELINES.items() for v in (baseline, store)))
 

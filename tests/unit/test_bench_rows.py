@@ -7,7 +7,8 @@ import subprocess
 import sys
 from typing import Any
 
-from reliable_kafka.bench.common import SHORT_RUN_S, BenchRow, peak_rss_mb, rows_against, run_facts
+from reliable_kafka.bench import suites
+from reliable_kafka.bench.common import SHORT_RUN_S, BenchRow, peak_rss_mb, round_order, rows_against, run_facts
 
 
 def _runs(*rates: float) -> list[dict[str, float]]:
@@ -46,9 +47,26 @@ def test_a_run_shorter_than_five_seconds_is_flagged() -> None:
     assert not slow.short
 
 
+def test_rounds_alternate_their_order_so_each_variant_runs_first_and_last_alike(monkeypatch) -> None:
+    assert [round_order("ABC", r) for r in range(4)] == [list("ABC"), list("CBA"), list("ABC"), list("CBA")]
+    # The suites' rounds follow it, and round i of every variant is still measured in round i.
+    ran: list[str] = []
+
+    def fake_run(bench: str, variant: str, args: Any, connection: Any) -> dict[str, float]:
+        ran.append(variant)
+        return {"msgs_per_s": float(len(ran)), "peak_rss_mb": 1.0}
+
+    monkeypatch.setattr(suites, "run_variant", fake_run)
+    runs = suites._interleaved("producer", ("raw", "ours"), list, {}, 3, lambda _: None)
+    assert ran == ["raw", "ours", "ours", "raw", "raw", "ours"]
+    assert runs == {"raw": [{"msgs_per_s": float(i), "peak_rss_mb": 1.0} for i in (1, 4, 5)],
+                    "ours": [{"msgs_per_s": float(i), "peak_rss_mb": 1.0} for i in (2, 3, 6)]}
+
+
 def test_the_json_says_what_the_machine_was_and_did() -> None:
     facts = run_facts(messages=1_000_000, repeat=3, nodes=3, load_before=(0.5, 0.4, 0.3), local_cluster=True)
     assert facts["rounds"] == 3 and facts["cluster_nodes"] == 3 and facts["host"]["cores"] >= 1
+    assert "reversed" in facts["round_order"]
     assert len(facts["host"]["load_after"]) == 3 and facts["host"]["load_before"] == [0.5, 0.4, 0.3]
     assert facts["versions"]["librdkafka"] and facts["versions"]["kafka"]
     assert run_facts(messages=1, repeat=1, nodes=3, load_before=(0, 0, 0), local_cluster=False)["versions"]["kafka"] \
@@ -156,9 +174,10 @@ def test_dedup_rows_judge_each_store_against_its_hand_written_baseline_and_keep_
     monkeypatch.setattr(suites, "run_variant", fake_run_variant)
     rows = suites.dedup_bench({"bootstrap.servers": "b:9092"}, lambda _t, _p: None, 1_000_000, lambda _s: None,
                               repeat=2, redis_url="redis://127.0.0.1:1/0")
-    # fill, warm-up, then each round: none, and each hand-written baseline right before the store it judges
+    # fill, warm-up, then each round: none, and each hand-written baseline beside the store it judges (right
+    # before it in round 1, right after it in round 2, whose order is reversed)
     order = ("none", "handwritten_sqlite", "sqlite", "handwritten_redis", "redis")
-    assert asked == [("producer", "fill"), ("dedup", "none"), *[("dedup", v) for v in order * 2]]
+    assert asked == [("producer", "fill"), ("dedup", "none"), *[("dedup", v) for v in order + order[::-1]]]
     assert [(r.variant, r.baseline) for r in rows] == [
         ("none", "none"), ("sqlite", "none"), ("redis", "none"),
         ("handwritten_sqlite", "handwritten_sqlite"), ("sqlite", "handwritten_sqlite"),
@@ -197,8 +216,8 @@ def test_producer_rows_meet_their_targets_against_the_hand_written_safe_producer
     monkeypatch.setattr(suites, "run_variant", fake_run_variant)
     rows = suites.producer_bench({"bootstrap.servers": "b:9092"}, lambda _t, _p: None, 1_000_000, lambda _s: None,
                                  repeat=2)
-    # a warm-up, then each round every variant in turn, the hand-written safe producer right after the bare loop
-    assert asked == [("producer", "raw"), *[("producer", v) for v in suites.PRODUCERS * 2]]
+    # a warm-up, then each round every variant in turn (round 2 in reverse), the safe producer beside the bare loop
+    assert asked == [("producer", "raw"), *[("producer", v) for v in suites.PRODUCERS + suites.PRODUCERS[::-1]]]
     by = {(r.variant, r.baseline): r for r in rows}
     assert by[("memory", "raw_safe")].ratio_vs_baseline == 0.8 and by[("memory", "raw")].ratio_vs_baseline == 0.6
     assert abs(by[("raw", "raw_safe")].ratio_vs_baseline - 200_000 / 150_000) < 1e-9  # what header + callback cost
