@@ -125,9 +125,16 @@ def copy_rate(variant: str, connection: Connection, source: str, output: str, me
             copier.run()
     else:
         raise ValueError(f"unknown eos variant {variant!r}; use {BASELINE}, {VARIANT} or {MAP_VALUES}")
+    if not marks:
+        raise RuntimeError(f"{variant} committed nothing of {messages} records")
     (first_at, first_total), (last_at, last_total) = marks[0], marks[-1]
-    if last_total < messages or last_at <= first_at:
+    if last_total < messages:
         raise RuntimeError(f"{variant} copied {last_total} of {messages} records in {len(marks)} commit(s)")
+    if last_at <= first_at:
+        # The clock runs from the first commit to the last (joining the group and the first fetch are not
+        # the copy's speed), so a copy that fits in one commit has nothing to time.
+        raise RuntimeError(f"{variant} copied all {messages} records in one commit, so there is no time between "
+                           "commits to measure: use more --messages (eos needs several commits; at least 100,000)")
     return (last_total - first_total) / (last_at - first_at)
 
 
