@@ -21,6 +21,8 @@ from typing import Any
 
 from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
 
+from reliable_kafka.bench.common import round_order
+
 WRITE_ID = "bench-0123456789ab"  # the bench's write ids are this long: rk-ids of ~27 bytes
 
 
@@ -29,23 +31,17 @@ def main(rows: int, rounds: int, blocks: list[int]) -> dict[str, Any]:
     with bench_cluster() as (_cluster, conn, create_topic):
         from pyspark.sql import functions as F  # noqa: N812 - Spark's own convention
 
-        from reliable_kafka.ids import ID_HEADER
         from reliable_kafka.spark.java_options import java_kafka_options
+        from reliable_kafka.spark.jvm_sink import with_rk_columns
         from reliable_kafka.spark.local import local_session
 
         spark = local_session(app_name="spark-sink-blocks")
         df = spark.range(0, rows, 1, 4).select(
             F.expr("cast(lpad(cast(id as string), 100, 'x') as binary)").alias("value"))
-        # with_rk_columns()'s numbering and header, the block size a parameter.
-        numbered = df.select("value", F.spark_partition_id().alias("_part"),
-                             F.monotonically_increasing_id().bitwiseAND(F.lit((1 << 33) - 1)).alias("_row"))
-        rk_id = F.concat(F.lit(f"{WRITE_ID}:"), F.col("_part").cast("string"), F.lit(":"),
-                         F.col("_row").cast("string")).cast("binary")
-        headers = F.array(F.struct(F.lit(ID_HEADER).alias("key"), rk_id.alias("value"))).alias("headers")
-        frames = {"value_only": df, "header_no_partition": numbered.select("value", headers)}
+        frames = {"value_only": df,
+                  "header_no_partition": with_rk_columns(df, WRITE_ID, 4).select("value", "headers")}
         for b in blocks:
-            frames[f"block_{b}"] = numbered.select(
-                "value", headers, ((F.col("_part") + F.floor(F.col("_row") / b)) % 4).cast("int").alias("partition"))
+            frames[f"block_{b}"] = with_rk_columns(df, WRITE_ID, 4, block_rows=b)
         java = java_kafka_options(conn)
 
         def run(variant: str) -> float:
@@ -60,7 +56,7 @@ def main(rows: int, rounds: int, blocks: list[int]) -> dict[str, Any]:
             run(variant)
         runs: dict[str, list[float]] = {v: [] for v in variants}
         for r in range(rounds):
-            for variant in variants if r % 2 == 0 else variants[::-1]:
+            for variant in round_order(variants, r):
                 runs[variant].append(run(variant))
                 print(variant, r, round(runs[variant][-1]), file=sys.stderr, flush=True)
     base = runs["value_only"]

@@ -92,8 +92,11 @@ def _partition_count(options: WriterOptions, topic: str) -> int:
     return count
 
 
-def with_rk_columns(df: DataFrame, write_id: str, partitions: int) -> DataFrame:
-    """`df` with the rk-id header appended to its headers and a partition for rows without key or partition."""
+def with_rk_columns(df: DataFrame, write_id: str, partitions: int, *, block_rows: int = STICKY_ROWS) -> DataFrame:
+    """`df` with the rk-id header appended to its headers and a partition for rows without key or partition.
+
+    `block_rows`: rows without key or partition go to one Kafka partition per block of this many (the
+    writer's STICKY_ROWS; benchmarks/spark_sink_blocks.py varies it)."""
     fields = set(df.columns)
     # One projection makes the row's numbers, read by the next: each call of monotonically_increasing_id()
     # counts a row, so it is computed once per row.
@@ -105,7 +108,7 @@ def with_rk_columns(df: DataFrame, write_id: str, partitions: int) -> DataFrame:
     headers: Column = F.array(header)
     if "headers" in fields:
         headers = F.when(F.col("headers").isNull(), headers).otherwise(F.concat(F.col("headers"), headers))
-    sticky = ((F.col("_rk_part") + F.floor(F.col("_rk_row") / STICKY_ROWS)) % partitions).cast("int")
+    sticky = ((F.col("_rk_part") + F.floor(F.col("_rk_row") / block_rows)) % partitions).cast("int")
     unkeyed = F.col("key").isNull() if "key" in fields else F.lit(True)
     partition = F.when(unkeyed, sticky)
     if "partition" in fields:
