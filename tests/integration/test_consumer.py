@@ -224,7 +224,7 @@ def test_rebalance_storm_of_joins_kills_and_clean_stops_leaves_no_gaps(kafka, ma
 
                     fire_when(mid_work, strike, attempts=3, timeout_s=60, rearm=top_up,
                               what=f"storm event {event}: {'SIGKILL' if kill else 'SIGTERM'} of {victim.name}")
-                    victim.proc.wait(timeout=60)
+                    member_logs.reap(victim.name, victim.proc, timeout_s=60)
                     members.remove(victim)
                     members.append(spawn())
         log.info("rebalance storm: 5 events fired, %d records (%d top-ups)", len(values), feeder.top_ups)
@@ -232,7 +232,7 @@ def test_rebalance_storm_of_joins_kills_and_clean_stops_leaves_no_gaps(kafka, ma
         codes = []
         for m in members:  # one at a time: each commits and leaves, the rest take over and commit too
             m.proc.terminate()
-            codes.append(m.proc.wait(timeout=60))
+            codes.append(member_logs.reap(m.name, m.proc, timeout_s=60))
         assert codes == [0] * len(members)
     finally:
         for m in everyone:

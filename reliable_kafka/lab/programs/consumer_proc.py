@@ -3,13 +3,16 @@
 It appends each value it finished handling, with its rk-id, to a ledger file (one line, flushed), so the ledger
 is exactly what was processed when it died. It exits by itself after `--idle` seconds without
 records. SIGTERM asks the consumer to stop gracefully. `--status-file` publishes its progress (see
-status.py) for the fault gates; its log (stderr) says what it was assigned, handled and committed.
+status.py) for the fault gates; its log (stderr) says what it was assigned, handled and committed, and
+each step of a graceful stop. SIGUSR1 writes every thread's stack to the log (a test that finds a stopped
+member still running asks for it before it gives up).
 The connection settings come in the environment (see testing.child_connection), or --bootstrap alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import signal
 import sys
@@ -45,6 +48,7 @@ def main() -> int:
     # SIGTERM is honoured from here on, also before the consumer exists (a member stopped while starting).
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: terminated.set())
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if args.ready_file:
         open(args.ready_file, "w").close()  # noqa: SIM115 - an empty marker
 
@@ -90,10 +94,12 @@ def main() -> int:
     def idle_watch() -> None:
         while time.monotonic() - last_record[0] < args.idle and not terminated.is_set():
             time.sleep(0.1)
+        log.info("stopping (%s): finishing in-flight records", "SIGTERM" if terminated.is_set() else "idle")
         consumer.stop()
 
     threading.Thread(target=idle_watch, daemon=True).start()
     consumer.run(handle)
+    log.info("run() returned; closing (final commit, leaving the group)")
     progress.stop()  # its last figures, logged
     consumer.close()
     log.info("stopped: %s", consumer.stats())
