@@ -24,6 +24,9 @@ class Disposition(enum.Enum):
     # The principal lacks a permission (an ACL). Not the message's fault and not for good: an operator
     # grants it and the same request succeeds. Keep the work waiting (backing off), say what is missing.
     AUTHORIZATION = "authorization"
+    # The client is being closed (librdkafka destroys its broker handles): nothing it sends can succeed any
+    # more, so the call is not retried; what it carried stays pending (uncommitted, or in the spool).
+    CLOSED = "closed"
 
 
 # Refused for good by the broker or by librdkafka before sending.
@@ -81,6 +84,11 @@ _COORDINATOR_CODES = {
 }
 
 
+# A commit served inside Consumer.close() got _DESTROY, "retried" for its whole 30 s deadline while
+# the close waited on it.
+_CLOSED_CODES = {KafkaError._DESTROY}
+
+
 def _unwrap(error: KafkaError | KafkaException | int) -> KafkaError | int | None:
     if isinstance(error, KafkaException):
         inner = error.args[0] if error.args else None
@@ -111,6 +119,8 @@ def classify(error: KafkaError | KafkaException | int) -> Disposition:
         return Disposition.PERMANENT
     if code in _AUTHORIZATION_CODES:
         return Disposition.AUTHORIZATION
+    if code in _CLOSED_CODES:
+        return Disposition.CLOSED
     # Everything else (timeouts, leader moves, transport, _MSG_TIMED_OUT with an unknown outcome,
     # NOT_ENOUGH_REPLICAS) is worth another try: a spooled message is re-sent, never dropped.
     return Disposition.RETRIABLE

@@ -239,6 +239,7 @@ def test_retriable_and_coordinator_errors_are_retried(code: int) -> None:
         kafka_error(KafkaError.UNKNOWN_MEMBER_ID),  # rebalance: drop staged offsets, do not retry
         kafka_error(KafkaError.PRODUCER_FENCED),  # fatal
         kafka_error(KafkaError._TRANSPORT, fatal=True),  # fatal flag wins over the code
+        kafka_error(KafkaError._DESTROY),  # the client is closing: no later attempt can succeed
         RuntimeError("not a Kafka error"),
     ],
 )
