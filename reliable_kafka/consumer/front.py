@@ -256,6 +256,9 @@ class ReliableConsumer:
             self._commits.commit()
         except ReliableKafkaError as exc:
             log.error("final commit failed (records will be redelivered, not lost): %s", exc)
+        # The partitions go back while this consumer still serves the group: the client's close then finds
+        # no revoke left to run (see leave_before_close).
+        self._rebalance.leave(self._config, timeout)
         self._client.close()
         self._dead_letters.close(timeout)
 

@@ -20,6 +20,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_END, Consumer, KafkaError, 
 
 from reliable_kafka import kafka_errors, rdkafka_stats, telemetry
 from reliable_kafka.config import consumer_config, transactional_producer_config
+from reliable_kafka.consumer.rebalance import leave_before_close
 from reliable_kafka.deprecation import renamed
 from reliable_kafka.dlq import DeadLetterPolicy
 from reliable_kafka.errors import ClientClosed, ConfigError, RetryInterrupted
@@ -267,7 +268,11 @@ class TransactionalProcessor:
         finally:
             consumer, self._consumer = self._consumer, None
             if consumer is not None:
-                consumer.close()  # leaves the group; nothing is left to commit on revoke
+                # Nothing is left to commit on revoke (closed: _on_revoke only forgets), but the revoke
+                # must still run before the client's close, not inside it (see leave_before_close).
+                leave_before_close(consumer, self._consumer_conf, lambda: bool(self._checkpoint.owned),
+                                   self._deadlines.operation_timeout_s)
+                consumer.close()
             self._checkpoint.shutdown()
 
     def stats(self) -> Stats:

@@ -9,16 +9,18 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 import uuid
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, KafkaException, Producer, TopicPartition
+from confluent_kafka import Consumer, ConsumerGroupState, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from reliable_kafka.backpressure import produce_when_room
 from reliable_kafka.consumer import DeadLetterPolicy, ReliableConsumer
+from reliable_kafka.consumer.rebalance import leave_before_close
 from reliable_kafka.dedup import SQLiteDedupStore
 from reliable_kafka.dlq import parse_dead_letter_headers
 from reliable_kafka.errors import DedupStoreUnavailable
@@ -242,6 +244,80 @@ def test_rebalance_storm_of_joins_kills_and_clean_stops_leaves_no_gaps(kafka, ma
     gaps = set(values) - handled.values()
     assert not gaps, f"{len(gaps)} messages never handled"
     assert sum(committed(kafka.bootstrap_servers, group, topic, 6).values()) == len(values)
+
+
+def test_close_during_a_rebalance_gives_the_partitions_back_before_the_client_closes(kafka, make_topic,
+                                                                                     caplog) -> None:
+    """A rebalance that starts after run() returned leaves a revoke waiting on the consumer's queue until
+    something serves it. Served from inside librdkafka's close, it once hung a SIGTERMed member of the
+    rebalance storm for good (the close waited on a group it had torn down), and elsewhere its commit failed
+    with _DESTROY, retried for 30 s. close() serves it itself, before the client's close, and commits there."""
+    topic = make_topic(partitions=2)
+    values = fill(kafka.bootstrap_servers, topic, 400)
+    group = f"close-{uuid.uuid4().hex[:6]}"
+    # Heartbeats every 100 ms: the member hears of the rebalance soon after the group enters it.
+    conf = {**base_conf(kafka, group), "heartbeat.interval.ms": 100}
+    handled: list[str] = []
+    first = ReliableConsumer(conf, [topic])
+    _run_until(first, lambda msg: handled.append(msg.value().decode()), lambda: len(handled) == len(values))
+    assert sorted(handled) == sorted(values)
+    # run() returned and nothing polls `first` any more; librdkafka's own thread keeps its heartbeats going.
+    second = Consumer({**base_conf(kafka, group), "auto.offset.reset": "earliest"})
+    # What `second` holds, as its callbacks say: no call into it while its poller thread polls (it would
+    # wait for the poller to let go of the client, which a poll loop does not do).
+    held: set[int] = set()
+    second.subscribe([topic], on_assign=lambda _, tps: held.update(tp.partition for tp in tps),
+                     on_revoke=lambda _, tps: held.difference_update(tp.partition for tp in tps))
+    joining = threading.Event()
+    poller = threading.Thread(target=lambda: [second.poll(0.1) for _ in iter(joining.is_set, True)], daemon=True)
+    poller.start()
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
+    revokes = _RevokeCallers()
+    caplog.set_level(logging.INFO, logger="reliable_kafka.consumer.rebalance")  # its "revoked" line
+    logging.getLogger("reliable_kafka.consumer.rebalance").addHandler(revokes)
+    try:
+        def rebalancing() -> bool:
+            state = admin.describe_consumer_groups([group])[group].result(timeout=10).state
+            return state == ConsumerGroupState.PREPARING_REBALANCING
+        assert wait_for(rebalancing, timeout_s=60, poll_s=0.05), "the second member's join started no rebalance"
+        # The group waits for `first` to rejoin, which it cannot do before its revoke is served, so the
+        # revoke stays on its queue from its next heartbeat on; five heartbeat intervals cover that.
+        time.sleep(0.5)
+        closing = threading.Thread(target=first.close, daemon=True)
+        started = time.monotonic()
+        closing.start()
+        closing.join(timeout=60)
+        took = time.monotonic() - started
+        assert not closing.is_alive(), "close() did not return within 60 s"
+        # The group settles on `second`; it leaves the same way (a raw client meets the same hazard).
+        assert wait_for(lambda: len(held) == 2, timeout_s=60), "the partitions never moved on to the second member"
+    finally:
+        logging.getLogger("reliable_kafka.consumer.rebalance").removeHandler(revokes)
+        joining.set()
+        poller.join(timeout=10)
+        leave_before_close(second, {}, lambda: bool(held), 30)
+        second.close()
+    # Where the revoke ran: the Python frame under on_revoke is the code that served the client's queue.
+    assert revokes.callers == ["leave_before_close"], \
+        f"the revoke was served by {revokes.callers}, not before the client's close"
+    assert took < 20, f"close() took {took:.1f}s"
+    assert sum(committed(kafka.bootstrap_servers, group, topic, 2).values()) == len(values)
+
+
+class _RevokeCallers(logging.Handler):
+    """Notes, for each "revoked ..." log line of the rebalance handler, the function that called on_revoke
+    (through librdkafka: the nearest Python frame below it on the stack)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.callers: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not record.getMessage().startswith("revoked"):
+            return
+        names = [frame.name for frame in traceback.extract_stack()]
+        if "on_revoke" in names:
+            self.callers.append(names[names.index("on_revoke") - 1])
 
 
 def test_a_partition_paused_before_a_rebalance_is_fetched_again_when_it_comes_back(kafka, make_topic) -> None:

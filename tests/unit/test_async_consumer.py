@@ -153,19 +153,35 @@ class ScriptedClient:
         self.commits: list[dict[tuple[str, int], int]] = []
         self.threads: set[str] = set()
         self._on_assign: Callable[..., None] | None = None
+        self._on_revoke: Callable[..., None] | None = None
         self._assigned = False
+        self._unsubscribed = False
         partitions = sorted({(m.topic(), m.partition()) for m in records})
         self._tps = [TopicPartition(t, p) for t, p in partitions]
 
     def _note(self) -> None:
         self.threads.add(threading.current_thread().name)
 
-    def subscribe(self, topics: list[str], on_assign: Callable[..., None], **_: Any) -> None:
+    def subscribe(self, topics: list[str], on_assign: Callable[..., None], on_revoke: Callable[..., None],
+                  **_: Any) -> None:
         self._note()
-        self._on_assign = on_assign
+        self._on_assign, self._on_revoke = on_assign, on_revoke
+
+    def unsubscribe(self) -> None:
+        """As librdkafka: the revoke comes with the next consume(), then the member has left."""
+        self._note()
+        self._unsubscribed = True
+
+    def memberid(self) -> str | None:
+        return None if self._unsubscribed and not self._assigned else "member-1"
 
     def consume(self, n: int, timeout: float) -> list[Message]:
         self._note()
+        if self._unsubscribed:
+            if self._assigned and self._on_revoke is not None:
+                self._assigned = False
+                self._on_revoke(self, self._tps)
+            return []
         if not self._assigned and self._on_assign is not None:
             self._assigned = True
             self._on_assign(self, self._tps)
