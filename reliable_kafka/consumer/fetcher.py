@@ -169,6 +169,13 @@ class Fetcher:
         fetched = self.fetch(self._max_batch, timeout)  # may run forget(), which replaces _held
         self._held.extend(self.work(m) for m in fetched)
 
+    def held_count(self, partitions: set[tuple[str, int]] | None = None) -> int:
+        """How many tracked records are held back (of `partitions`, or all). They count as in flight, yet
+        none runs until a later pass hands it over: a wait for in-flight records must not wait for them."""
+        if partitions is None:
+            return len(self._held)
+        return sum(1 for w in self._held if (w.msg.topic(), w.msg.partition()) in partitions)
+
     def forget(self, partitions: set[tuple[str, int]]) -> None:
         """Released partitions: their held records go (the new owner gets them from the last commit)."""
         self._held = [w for w in self._held if (w.msg.topic(), w.msg.partition()) not in partitions]

@@ -225,7 +225,7 @@ class ConcurrentStrategy(RecordStrategy):
 
     def wait_idle(self, timeout: float, partitions: Partitions | None = None) -> bool:
         """Wait until the workers finished what is in flight (of `partitions`, or all but stuck records)."""
-        return _wait_idle(self._commits, self._failures, timeout, partitions)
+        return _wait_idle(self._commits, self._failures, self._fetcher, timeout, partitions)
 
     def close(self, timeout: float) -> None:
         """Graceful stop: let the workers finish in-flight records, then end them."""
@@ -300,7 +300,8 @@ class LoopStrategy(RecordStrategy):
     def wait_idle(self, timeout: float, partitions: Partitions | None = None) -> bool:
         """(On the fetch thread.) Wait until the lanes finished what is in flight (of `partitions`, or all
         but stuck records)."""
-        return _wait_idle(self._commits, self._failures, timeout, partitions, lambda: self.failed is not None)
+        return _wait_idle(self._commits, self._failures, self._fetcher, timeout, partitions,
+                          lambda: self.failed is not None)
 
     async def cancel(self) -> None:
         """(On the loop.) End the lanes: a handler still running is cancelled, its record stays unfinished
@@ -387,18 +388,23 @@ def lane_of(msg: Message, n: int) -> int:
     return zlib.crc32(route) % n
 
 
-def _wait_idle(commits: CommitCoordinator, failures: FailureStages, timeout: float, partitions: Partitions | None,
-               gave_up: Callable[[], bool] = lambda: False) -> bool:
+def _wait_idle(commits: CommitCoordinator, failures: FailureStages, fetcher: Fetcher, timeout: float,
+               partitions: Partitions | None, gave_up: Callable[[], bool] = lambda: False) -> bool:
     """Wait until what is in flight (of `partitions`, or all but stuck records) finished elsewhere (on
-    workers, on the loop); confirms dedup keys meanwhile, so what finished becomes committable."""
+    workers, on the loop); confirms dedup keys meanwhile, so what finished becomes committable.
+
+    Records the fetcher holds back are not waited for: they run only when the fetch thread hands them
+    over, and this wait runs on that thread (a revoke inside consume(), the stop after the last pass).
+    Counted, they made the wait last its whole timeout (revoke_timeout_s) for nothing; they stay
+    uncommitted and are redelivered."""
     tracker = commits.tracker
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not gave_up():
         commits.confirm_handled()
         if partitions is None:
-            busy = tracker.in_flight() - failures.dead_letters.stuck_count() > 0
+            busy = tracker.in_flight() - failures.dead_letters.stuck_count() - fetcher.held_count() > 0
         else:
-            busy = any(tracker.in_flight(t, p) for t, p in partitions)
+            busy = sum(tracker.in_flight(t, p) for t, p in partitions) - fetcher.held_count(partitions) > 0
         if not busy:
             return True
         time.sleep(0.01)

@@ -96,6 +96,27 @@ def test_records_waiting_for_a_worker_when_their_partition_is_released_are_left_
     assert p.commits.committable() == {(T, 1): 6}
 
 
+def test_records_held_back_by_the_fetcher_are_not_waited_for_by_a_revoke_or_a_stop() -> None:
+    """Records the fetcher holds back (fetched while paused, a busy dedup key) run only once the fetch loop
+    hands them over, which it cannot do while a revoke on its thread, or the graceful stop after its last
+    pass, waits for what is in flight: a wait that counted them lasted its whole timeout for nothing."""
+    p = parts()
+    s = strategy(p, lambda m: None, concurrency=2)
+    p.rebalance.wait_idle = s.wait_idle  # as run() sets it
+    try:
+        s.handle_fetched(batch((0, 0), (1, 0)))  # run by the workers
+        held = p.fetcher.track(batch((0, 1), (0, 2), (1, 1)))
+        p.fetcher.hold([p.fetcher.work(m) for m in held], 0)  # as a paused pass or a busy key leaves them
+        started = time.monotonic()
+        assert s.wait_idle(5, {(T, 0)}) and s.wait_idle(5)
+        p.rebalance.on_revoke(None, [TopicPartition(T, 0)])  # type: ignore[arg-type]
+    finally:
+        s.close(5)
+    assert time.monotonic() - started < 2, "a wait counted the held records"
+    assert p.client.commits == [{(T, 0): 1}]  # up to the held record: it is redelivered, never skipped
+    assert p.commits.committable() == {(T, 1): 1}
+
+
 def test_a_lost_partition_is_forgotten_by_every_part_that_kept_something_of_it() -> None:
     def handler(m: Message) -> None:
         if m.offset() == 1:
