@@ -41,7 +41,7 @@ def leave_before_close(client: Consumer, config: Mapping[str, Any], assigned: Ca
     starts (another member joined after the fetch loop stopped) is served from inside it, while librdkafka
     tears the group down. confluent-kafka's wrapper then asks librdkafka for the rebalance protocol and
     unassigns, and either call can wait for good on a group that is gone (librdkafka issues 4041, 4884):
-    a SIGTERMed member of the rebalance storm test never exited, in 2 runs of 15, and where it did, the
+    a SIGTERMed member of the rebalance storm test never exited, in 2 runs of 14, and where it did, the
     revoke's commit failed with _DESTROY.
 
     A static member (group.instance.id) is left alone: it does not leave the group on close, so its
