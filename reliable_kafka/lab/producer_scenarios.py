@@ -45,6 +45,15 @@ def _reliable(cluster: LocalKafkaCluster, workdir: Path, name: str) -> ReliableP
                             outbox_path=workdir / f"{name}.db")
 
 
+def _on_the_quorum(cluster: LocalKafkaCluster) -> list[list[int]]:
+    """Replicas on three KRaft voters, for the recipes that pause both followers (faults.followers_paused):
+    two paused voters of three leave the controller without a quorum, so it cannot shrink the ISR to the
+    leader alone. On the lab's 5-node cluster Kafka may place followers on the broker-only nodes, and
+    then it did: the killed leader had no eligible successor (acks1-leader-loss waited 60 s for a
+    leader) and acks=all was refused at once (leader-pause's freeze gate never held), in one lab run."""
+    return [cluster.controller_ids[:3]]
+
+
 def acks1_leader_loss(cluster: LocalKafkaCluster, progress: Progress) -> list[ScenarioResult]:
     """Seed 000: the leader acknowledges alone (followers stalled), then dies; a follower takes over."""
     name = "acks1-leader-loss"
@@ -59,7 +68,7 @@ def acks1_leader_loss(cluster: LocalKafkaCluster, progress: Progress) -> list[Sc
         runs += 1
         started = time.monotonic()
         ctopic = topic_name(name, CONTROL)
-        cluster.create_topic(ctopic, 1, 3, {"min.insync.replicas": 1})
+        cluster.create_topic(ctopic, configs={"min.insync.replicas": 1}, assignment=_on_the_quorum(cluster))
         with isolated_leader(cluster, ctopic):
             acked = bare_produce(conn, ctopic, _values("c", 2000), **_ACKS1)
         return count(name, CONTROL, acked, conn, ctopic, started, f"run {runs} of the recipe")
@@ -69,7 +78,7 @@ def acks1_leader_loss(cluster: LocalKafkaCluster, progress: Progress) -> list[Sc
 
     started = time.monotonic()
     rtopic = topic_name(name, RELIABLE)
-    cluster.create_topic(rtopic, 1, 3, {"min.insync.replicas": 2})
+    cluster.create_topic(rtopic, configs={"min.insync.replicas": 2}, assignment=_on_the_quorum(cluster))
     progress("reliable_kafka: leader isolated, acks=all", 0.55)
     values = _values("r", 2000)
     with tempfile.TemporaryDirectory() as d, _reliable(cluster, Path(d), name) as p:
@@ -202,7 +211,8 @@ def _leader_pause_once(cluster: LocalKafkaCluster, name: str, client: str, detai
     conn = cluster.client_config()
     started = time.monotonic()
     topic = topic_name(name, client)
-    cluster.create_topic(topic, 1, 3, {"min.insync.replicas": 1 if client == CONTROL else 2})
+    cluster.create_topic(topic, configs={"min.insync.replicas": 1 if client == CONTROL else 2},
+                         assignment=_on_the_quorum(cluster))
     values = _values(client[0], 2000)
     with tempfile.TemporaryDirectory() as d:
         producer = _reliable(cluster, Path(d), name) if client == RELIABLE else None

@@ -309,6 +309,11 @@ class LocalKafkaCluster:
     def node_ids(self) -> list[int]:
         return sorted(self.nodes)
 
+    @property
+    def controller_ids(self) -> list[int]:
+        """The KRaft voters (broker+controller nodes); any other node is a broker only."""
+        return [n.node_id for n in self._quorum()]
+
     def running_nodes(self) -> list[int]:
         """Nodes whose process lives and is not paused."""
         return [i for i, n in sorted(self.nodes.items()) if n.alive() and not n.paused]
