@@ -29,6 +29,7 @@ import pyarrow as pa
 from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
 from rdkafka_thread_cpu import thread_cpu
 
+from reliable_kafka.bench.common import round_order
 from reliable_kafka.spark import writer as writer_module
 from reliable_kafka.spark.options import writer_options
 
@@ -130,7 +131,7 @@ def main(rows: int, rounds: int, variants: list[str]) -> dict[str, Any]:
 
         one_task(conn, topic(), min(rows, 50_000), variants[0])  # unmeasured: cold brokers, marker topic
         for r in range(rounds):
-            for variant in variants if r % 2 == 0 else variants[::-1]:
+            for variant in round_order(variants, r):
                 run = one_task(conn, topic(), rows, variant)
                 print(json.dumps({"round": r, **run}), file=sys.stderr, flush=True)
                 runs[variant].append(run)

@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from reliable_kafka.bench.common import round_order
 from reliable_kafka.outbox import Outbox
 from reliable_kafka.outbox.journal import segment_paths
 from reliable_kafka.spool import NewMessage
@@ -89,7 +90,7 @@ def main(commits: int, rounds: int, k: int) -> dict[str, Any]:
     runs: dict[str, list[float]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(prefix="fsync-commit-", dir=os.environ.get("TMPDIR", "/tmp")) as tmp:
         for r in range(rounds):
-            for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
+            for name in round_order(list(variants), r):
                 directory = Path(tmp) / f"{name}-{r}"
                 directory.mkdir()
                 runs[name].append(round(variants[name](directory), 1))

@@ -29,6 +29,7 @@ from typing import Any
 from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
 
 from reliable_kafka.bench import calls
+from reliable_kafka.bench.common import round_order
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -102,7 +103,7 @@ def main() -> None:
         _one("raw", conn, create, brokers, n, threads)  # warm-up, not measured
         runs: list[dict[str, Any]] = []
         for r in range(rounds):
-            for variant in variants if r % 2 == 0 else variants[::-1]:
+            for variant in round_order(variants, r):
                 runs.append(_one(variant, conn, create, brokers, n, threads))
                 print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     medians = {}

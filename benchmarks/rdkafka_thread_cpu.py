@@ -22,6 +22,7 @@ from typing import Any
 from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
 from confluent_kafka import Producer
 
+from reliable_kafka.bench.common import round_order
 from reliable_kafka.ids import ID_HEADER
 from reliable_kafka.spark.options import writer_options
 from reliable_kafka.spark.writer import STICKY_ROWS
@@ -80,7 +81,7 @@ def main(rows: int, rounds: int, lingers: list[int]) -> dict[str, Any]:
 
         one_run(settings(lingers[0]), topic(), rows)  # unmeasured: cold brokers
         for r in range(rounds):
-            for linger in lingers if r % 2 == 0 else lingers[::-1]:
+            for linger in round_order(lingers, r):
                 run = {"round": r, "linger_ms": linger, **one_run(settings(linger), topic(), rows)}
                 print(json.dumps(run), file=sys.stderr, flush=True)
                 out["runs"].append(run)

@@ -20,6 +20,8 @@ from typing import Any
 
 from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
 
+from reliable_kafka.bench.common import round_order
+
 VARIANTS = ("value_only", "partition", "header_30b", "header_1b", "at_least_once")
 WRITE_ID = "bench-0123456789ab"  # the bench's write ids are this long: rk-ids of ~27 bytes
 
@@ -65,7 +67,7 @@ def main(rows: int, rounds: int) -> dict[str, Any]:
             run(variant)
         runs: dict[str, list[int]] = {v: [] for v in VARIANTS}
         for r in range(rounds):
-            for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            for variant in round_order(VARIANTS, r):
                 runs[variant].append(round(rows / run(variant)))
                 print(variant, r, runs[variant][-1], file=sys.stderr, flush=True)
     base = runs["value_only"]

@@ -39,6 +39,7 @@ from typing import Any
 
 from _cluster import bench_cluster  # benchmarks/_cluster.py (scripts run from this directory)
 
+from reliable_kafka.bench.common import round_order
 from reliable_kafka.spark.writer import STICKY_ROWS
 
 VARIANTS = ("value_only", "value_130b", "header_30b", "uuid_header", "at_least_once", "at_least_once_aligned")
@@ -108,7 +109,7 @@ def main(rows: int, rounds: int, compression: str = "none", kind: str = "padded"
             run(variant)
         runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
         for r in range(rounds):
-            for variant in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+            for variant in round_order(VARIANTS, r):
                 runs[variant].append(run(variant))
                 print(variant, r, runs[variant][-1], file=sys.stderr, flush=True)
     base = [x["rows_per_s"] for x in runs["value_only"]]
